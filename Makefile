@@ -1,0 +1,32 @@
+# Two commands do all set-up on a fresh machine with only Python:  make serve  |  make test
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PORT   ?= 8000
+HOST   ?= 127.0.0.1
+MODEL_DIR ?= weights/gpt2
+# The CPU build of torch; a bare `torch` requirement could pull a multi-GB CUDA build.
+TORCH_CPU := torch==2.13.0
+
+.PHONY: install weights serve test bench clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet $(TORCH_CPU)
+	$(PY) -m pip install --quiet -e '.[test]'
+	touch $@
+
+install: $(VENV)/.installed
+
+weights: install
+	$(PY) -m weights.prepare --out $(MODEL_DIR)
+
+serve: weights
+	$(PY) -m service --model-dir $(MODEL_DIR) --host $(HOST) --port $(PORT)
+
+test: weights
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) weights/gpt2 weights/gpt2.partial weights/.cache

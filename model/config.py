@@ -1,0 +1,83 @@
+"""GPT-2 hyper-parameters, read from a Hugging Face `config.json` or a preset name."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class GPT2Config:
+    vocab_size: int = 50257
+    n_positions: int = 1024
+    n_embd: int = 768
+    n_layer: int = 12
+    n_head: int = 12
+    n_inner: int | None = None  # None means 4 * n_embd, as in Hugging Face
+    layer_norm_epsilon: float = 1e-5
+    activation_function: str = "gelu_new"
+    initializer_range: float = 0.02
+    bos_token_id: int = 50256
+    eos_token_id: int = 50256
+
+    def __post_init__(self) -> None:
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
+        if self.activation_function not in ("gelu_new", "gelu_pytorch_tanh"):
+            # Both names mean GPT-2's tanh-approximated GELU; anything else is another model.
+            raise ValueError(f"unsupported activation_function {self.activation_function!r}")
+        for name in ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    @property
+    def inner_dim(self) -> int:
+        return self.n_inner or 4 * self.n_embd
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> "GPT2Config":
+        known = {f.name for f in fields(cls)}
+        # Hugging Face configs carry many unrelated keys (task params, architectures, ...).
+        return cls(**{k: v for k, v in raw.items() if k in known})
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> "GPT2Config":
+        path = Path(path)
+        try:
+            raw = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ValueError(f"cannot read model config {path}: {exc}") from exc
+        model_type = raw.get("model_type", "gpt2")
+        if model_type != "gpt2":
+            raise ValueError(f"{path}: model_type is {model_type!r}, expected 'gpt2'")
+        return cls.from_dict(raw)
+
+    @classmethod
+    def preset(cls, name: str) -> "GPT2Config":
+        try:
+            return PRESETS[name]
+        except KeyError:
+            raise ValueError(f"unknown preset {name!r}; known: {', '.join(PRESETS)}") from None
+
+    def to_hf_dict(self) -> dict:
+        """The keys transformers' GPT2Config understands, so files we write load there too."""
+        out = asdict(self)
+        out.update(model_type="gpt2", architectures=["GPT2LMHeadModel"], tie_word_embeddings=True)
+        return out
+
+    def with_(self, **changes) -> "GPT2Config":
+        return replace(self, **changes)
+
+
+PRESETS: dict[str, GPT2Config] = {
+    "gpt2": GPT2Config(),
+    "gpt2-medium": GPT2Config(n_embd=1024, n_layer=24, n_head=16),
+    "gpt2-large": GPT2Config(n_embd=1280, n_layer=36, n_head=20),
+    "gpt2-xl": GPT2Config(n_embd=1600, n_layer=48, n_head=25),
+    "distilgpt2": GPT2Config(n_layer=6),
+}

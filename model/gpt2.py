@@ -1,0 +1,210 @@
+"""GPT-2 (Pre-LN decoder), module names as in the Hugging Face checkpoint.
+
+One forward serves prefill, single-token decode and analysis: it takes token ids with their
+positions and, optionally, a KV cache with the slots the batch rows own.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model.config import GPT2Config
+from model.kv_cache import KVCache, SlotBatch
+
+
+class Conv1D(nn.Module):
+    """A linear map whose weight is stored [in, out], as GPT-2 checkpoints store it.
+
+    `x @ W` on that layout is as fast as F.linear for the block matrices on CPU, and it lets
+    the checkpoint tensors load without a transpose.
+    """
+
+    def __init__(self, n_in: int, n_out: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(n_in, n_out))
+        self.bias = nn.Parameter(torch.zeros(n_out))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])  # [B*T, in]
+        return torch.addmm(self.bias, flat, self.weight).view(*x.shape[:-1], -1)  # [B, T, out]
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GPT2Config) -> None:
+        super().__init__()
+        self.c_fc = Conv1D(config.n_embd, config.inner_dim)
+        self.c_proj = Conv1D(config.inner_dim, config.n_embd)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
+
+
+@dataclass
+class AttentionInputs:
+    """What every layer's attention needs, built once per forward pass."""
+
+    positions: torch.Tensor  # [B, T] position of each query token
+    mask: torch.Tensor | None  # [B, 1, T, L] True where a query may see a key; None: all visible
+    kv_length: int  # L, number of key positions read
+    cache: KVCache | None
+    rows: SlotBatch | None
+    want_probs: bool
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: GPT2Config, layer_index: int) -> None:
+        super().__init__()
+        self.n_head = config.n_head
+        self.head_dim = config.head_dim
+        self.layer_index = layer_index
+        self.c_attn = Conv1D(config.n_embd, 3 * config.n_embd)
+        self.c_proj = Conv1D(config.n_embd, config.n_embd)
+
+    def forward(
+        self, x: torch.Tensor, ctx: AttentionInputs
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        B, T, C = x.shape
+        q, k, v = self.c_attn(x).split(C, dim=2)  # 3 × [B, T, C]
+        q = q.view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # [B, H, T, d_h]
+        k = k.view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # [B, H, T, d_h]
+        v = v.view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # [B, H, T, d_h]
+        if ctx.cache is not None:
+            ctx.cache.write(self.layer_index, ctx.rows, ctx.positions, k, v)
+            k, v = ctx.cache.read(self.layer_index, ctx.rows, ctx.kv_length)  # [B, H, L, d_h]
+
+        probs = None
+        if ctx.want_probs:
+            # Analysis needs the probabilities themselves, in float32 whatever the weights are.
+            scores = (q.float() @ k.float().transpose(-2, -1)) / math.sqrt(self.head_dim)  # [B,H,T,L]
+            if ctx.mask is not None:
+                scores = scores.masked_fill(~ctx.mask, float("-inf"))
+            probs = scores.softmax(dim=-1)  # [B, H, T, L]
+            y = probs.to(v.dtype) @ v  # [B, H, T, d_h]
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.mask)  # [B, H, T, d_h]
+        y = y.transpose(1, 2).reshape(B, T, C)  # [B, T, C]
+        return self.c_proj(y), probs
+
+
+class Block(nn.Module):
+    def __init__(self, config: GPT2Config, layer_index: int) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
+        self.attn = CausalSelfAttention(config, layer_index)
+        self.ln_2 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
+        self.mlp = MLP(config)
+
+    def forward(
+        self, x: torch.Tensor, ctx: AttentionInputs
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        attn_out, probs = self.attn(self.ln_1(x), ctx)
+        x = x + attn_out
+        x = x + self.mlp(self.ln_2(x))
+        return x, probs
+
+
+@dataclass
+class ForwardOutput:
+    logits: torch.Tensor  # [B, T, V], or [B, V] when logits_index picks one token per row
+    attentions: list[torch.Tensor] | None = None  # per layer [B, H, T, L], float32
+    hidden_states: list[torch.Tensor] | None = None  # embeddings, then after each block [B, T, C]
+
+
+class GPT2(nn.Module):
+    def __init__(self, config: GPT2Config) -> None:
+        super().__init__()
+        self.config = config
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        self.wpe = nn.Embedding(config.n_positions, config.n_embd)
+        self.h = nn.ModuleList(Block(config, i) for i in range(config.n_layer))
+        self.ln_f = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
+        # The LM head is tied to wte. On CPU in float32 a GEMV against a [C, V] copy runs about
+        # 1.7x faster than F.linear against wte's [V, C]; in bfloat16 the reverse holds, so the
+        # copy is made only where it pays (see `prepare_lm_head`).
+        self._lm_head_in_out: torch.Tensor | None = None
+
+    @property
+    def device(self) -> torch.device:
+        return self.wte.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.wte.weight.dtype
+
+    def prepare_lm_head(self) -> None:
+        """Choose the LM-head layout for the current device and dtype; call after loading/moving."""
+        use_copy = self.device.type == "cpu" and self.dtype == torch.float32
+        self._lm_head_in_out = self.wte.weight.detach().t().contiguous() if use_copy else None
+
+    def lm_head(self, x: torch.Tensor) -> torch.Tensor:
+        if self._lm_head_in_out is not None:
+            return x @ self._lm_head_in_out
+        return F.linear(x, self.wte.weight)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+        rows: SlotBatch | None = None,
+        kv_length: int | None = None,
+        logits_index: torch.Tensor | None = None,
+        output_attentions: bool = False,
+        output_hidden_states: bool = False,
+    ) -> ForwardOutput:
+        """Run the decoder.
+
+        input_ids, positions: [B, T]; positions default to 0..T-1 for every row.
+        cache, rows: the cache and the slot of each row; new keys/values are written at
+            `positions`, and attention reads the first `kv_length` cached positions
+            (default max(positions) + 1; pass it to avoid a device sync).
+        logits_index: [B] index into T per row; only those tokens go through the LM head.
+        """
+        B, T = input_ids.shape
+        if positions is None:
+            positions = torch.arange(T, device=input_ids.device).expand(B, T)  # [B, T]
+        if cache is not None and rows is None:
+            raise ValueError("a cache needs the rows' slots")
+        if kv_length is None:
+            kv_length = int(positions.max()) + 1 if cache is not None else T
+        ctx = AttentionInputs(
+            positions=positions,
+            mask=self._attention_mask(positions, kv_length, cached=cache is not None),
+            kv_length=kv_length,
+            cache=cache,
+            rows=rows,
+            want_probs=output_attentions,
+        )
+
+        x = self.wte(input_ids) + self.wpe(positions)  # [B, T, C]
+        hidden = [x] if output_hidden_states else None
+        attentions = [] if output_attentions else None
+        for block in self.h:
+            x, probs = block(x, ctx)
+            if hidden is not None:
+                hidden.append(x)
+            if attentions is not None:
+                attentions.append(probs)
+        if logits_index is not None:
+            x = x[torch.arange(B, device=x.device), logits_index]  # [B, C]
+        logits = self.lm_head(self.ln_f(x))  # [B, T, V] or [B, V]
+        return ForwardOutput(logits=logits, attentions=attentions, hidden_states=hidden)
+
+    @staticmethod
+    def _attention_mask(
+        positions: torch.Tensor, kv_length: int, cached: bool
+    ) -> torch.Tensor | None:
+        B, T = positions.shape
+        if cached and B == 1 and T == 1:
+            return None  # one decode row reads exactly positions 0..p, all visible
+        if cached:
+            key_positions = torch.arange(kv_length, device=positions.device)[None, :]  # [1, L]
+        else:
+            key_positions = positions  # [B, L=T]: the keys are this call's own tokens
+        # Causal by position, not by index: each row has its own length and offset.
+        return (key_positions[:, None, :] <= positions[:, :, None]).unsqueeze(1)  # [B,1,T,L]

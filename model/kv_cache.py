@@ -1,0 +1,117 @@
+"""Preallocated key/value cache: fixed tensors, slots owned by sequences, written by index."""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+import torch
+
+from model.config import GPT2Config
+
+
+@dataclass(frozen=True)
+class SlotBatch:
+    """The cache rows one forward pass reads and writes, row b of the batch using slot ids[b].
+
+    `span` is set when the slots are consecutive, so attention can read the cache through a view
+    instead of gathering rows (the gather would copy every cached key and value once per layer).
+    """
+
+    ids: torch.Tensor  # [B] long, on the cache's device
+    span: slice | None
+
+
+class KVCache:
+    """Keys and values for `max_slots` sequences of up to `max_len` tokens.
+
+    Layout [n_layer, slot, n_head, position, head_dim]: one slot's keys for one layer form a
+    [n_head, position, head_dim] block, the shape scaled_dot_product_attention reads.
+    """
+
+    def __init__(
+        self,
+        config: GPT2Config,
+        max_slots: int,
+        max_len: int,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        if not 1 <= max_len <= config.n_positions:
+            raise ValueError(f"max_len must be in [1, {config.n_positions}], got {max_len}")
+        if max_slots < 1:
+            raise ValueError(f"max_slots must be at least 1, got {max_slots}")
+        shape = (config.n_layer, max_slots, config.n_head, max_len, config.head_dim)
+        self.keys = torch.zeros(shape, device=device, dtype=dtype)
+        self.values = torch.zeros(shape, device=device, dtype=dtype)
+        self.max_slots = max_slots
+        self.max_len = max_len
+        self.device = torch.device(device)
+        # A heap so the lowest free slot is reused first: running slots stay packed at the
+        # bottom, which keeps most decode batches on the no-copy `span` path.
+        self._free: list[int] = list(range(max_slots))
+        self._used: set[int] = set()
+
+    # --- slot ownership -------------------------------------------------------------------
+    @property
+    def slots_used(self) -> int:
+        return len(self._used)
+
+    @property
+    def slots_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def usage_ratio(self) -> float:
+        return len(self._used) / self.max_slots
+
+    def allocate(self, count: int = 1) -> list[int]:
+        if count > len(self._free):
+            raise RuntimeError(f"KV cache full: asked for {count} slots, {len(self._free)} free")
+        slots = [heapq.heappop(self._free) for _ in range(count)]
+        self._used.update(slots)
+        return slots
+
+    def free(self, slots: list[int] | int) -> None:
+        for slot in [slots] if isinstance(slots, int) else slots:
+            if slot not in self._used:
+                raise RuntimeError(f"slot {slot} is not in use")
+            self._used.remove(slot)
+            heapq.heappush(self._free, slot)
+
+    # --- tensors ----------------------------------------------------------------------------
+    def batch(self, slots: list[int]) -> SlotBatch:
+        ids = torch.tensor(slots, dtype=torch.long).to(self.device, non_blocking=True)
+        consecutive = all(b == a + 1 for a, b in zip(slots, slots[1:]))
+        span = slice(slots[0], slots[-1] + 1) if slots and consecutive else None
+        return SlotBatch(ids=ids, span=span)
+
+    def write(
+        self, layer: int, rows: SlotBatch, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> None:
+        """Store k, v [B, H, T, d_h] at each row's slot and positions [B, T]."""
+        slot_index = rows.ids[:, None].expand_as(positions)  # [B, T]
+        self.keys[layer][slot_index, :, positions] = k.transpose(1, 2)  # [B, T, H, d_h]
+        self.values[layer][slot_index, :, positions] = v.transpose(1, 2)
+
+    def read(self, layer: int, rows: SlotBatch, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of the first `length` positions of each row: [B, H, length, d_h]."""
+        if rows.span is not None:
+            return (
+                self.keys[layer, rows.span, :, :length],
+                self.values[layer, rows.span, :, :length],
+            )
+        return (
+            self.keys[layer, rows.ids, :, :length],
+            self.values[layer, rows.ids, :, :length],
+        )
+
+    def copy_slots(self, src: list[int], dst: list[int], length: int) -> None:
+        """Make slot dst[i] hold what src[i] holds (beam reordering), on the device."""
+        if not src:
+            return
+        src_ids = torch.tensor(src, dtype=torch.long, device=self.device)
+        dst_ids = torch.tensor(dst, dtype=torch.long, device=self.device)
+        # Indexing on the right copies first, so a permutation among the same slots is safe.
+        self.keys[:, dst_ids, :, :length] = self.keys[:, src_ids, :, :length]
+        self.values[:, dst_ids, :, :length] = self.values[:, src_ids, :, :length]

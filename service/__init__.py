@@ -1,0 +1,1 @@
+"""The HTTP service around the model: settings, scheduler, engine loop, routes, metrics."""

@@ -1,0 +1,36 @@
+"""python -m service --model-dir DIR --host H --port P --device cpu|cuda --dtype float32|bfloat16|float16"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import uvicorn
+
+from service.settings import Settings
+from weights.checkpoint import CheckpointError
+
+
+def parse_settings(argv: list[str] | None = None) -> Settings:
+    parser = argparse.ArgumentParser(prog="python -m service", description="Serve a GPT-2 model over HTTP.")
+    # Flags override GPT2_* environment variables, which override the defaults.
+    for name, field in Settings.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        parser.add_argument(flag, dest=name, default=None, help=field.description)
+    given = {k: v for k, v in vars(parser.parse_args(argv)).items() if v is not None}
+    return Settings(**given)
+
+
+def main(argv: list[str] | None = None) -> None:
+    settings = parse_settings(argv)
+    from service.app import create_app
+
+    try:
+        app = create_app(settings)
+    except (CheckpointError, FileNotFoundError, ValueError) as exc:
+        sys.exit(f"cannot start: {exc}")
+    uvicorn.run(app, host=settings.host, port=settings.port)
+
+
+if __name__ == "__main__":
+    main()

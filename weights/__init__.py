@@ -1,0 +1,1 @@
+"""Checkpoints and tokenizers: reading the files people have, and preparing the default model."""

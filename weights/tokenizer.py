@@ -1,0 +1,55 @@
+"""The GPT-2 byte-level BPE tokenizer, through Hugging Face `tokenizers`.
+
+A model folder holds `tokenizer.json`, or `vocab.json` + `merges.txt` (GPT-2's original pair).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+EOS_TEXT = "<|endoftext|>"
+
+
+class GPT2Tokenizer:
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._tok = tokenizer
+        eos = tokenizer.token_to_id(EOS_TEXT)
+        if eos is None:
+            raise ValueError(f"tokenizer has no {EOS_TEXT} token")
+        self.eos_token_id = eos
+        self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> "GPT2Tokenizer":
+        model_dir = Path(model_dir)
+        if (model_dir / "tokenizer.json").exists():
+            return cls(Tokenizer.from_file(str(model_dir / "tokenizer.json")))
+        vocab, merges = model_dir / "vocab.json", model_dir / "merges.txt"
+        if vocab.exists() and merges.exists():
+            return cls(build_tokenizer(vocab, merges))
+        raise FileNotFoundError(f"{model_dir}: no tokenizer.json, nor vocab.json with merges.txt")
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def is_special(self, token_id: int) -> bool:
+        return token_id == self.eos_token_id
+
+
+def build_tokenizer(vocab_file: Path, merges_file: Path) -> Tokenizer:
+    """GPT-2's tokenizer from its two original files, as transformers builds it."""
+    # Not GPT2TokenizerFast(vocab_file=..., merges_file=...): transformers 5 silently builds an
+    # empty tokenizer from those arguments.
+    tokenizer = Tokenizer(models.BPE.from_file(str(vocab_file), str(merges_file)))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens([EOS_TEXT])
+    return tokenizer
