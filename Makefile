@@ -8,7 +8,7 @@ MODEL_DIR ?= weights/gpt2
 # The CPU build of torch; a bare `torch` requirement could pull a multi-GB CUDA build.
 TORCH_CPU := torch==2.13.0
 
-.PHONY: install weights serve test bench clean
+.PHONY: install system-deps weights serve test bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,7 +25,16 @@ weights: install
 serve: weights
 	$(PY) -m service --model-dir $(MODEL_DIR) --host $(HOST) --port $(PORT)
 
-test: weights
+# Debian's prometheus (server + promtool): the metrics and deployment tests run the real thing.
+system-deps:
+	@if ! command -v prometheus >/dev/null || ! command -v promtool >/dev/null; then \
+	  if [ "$$(id -u)" = 0 ]; then \
+	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null) \
+	      || echo "warning: could not install Debian's prometheus; its tests will be skipped"; \
+	  else echo "warning: not root, cannot apt-get install prometheus; its tests will be skipped"; fi; \
+	fi
+
+test: weights system-deps
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 clean:
