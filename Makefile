@@ -25,13 +25,13 @@ weights: install
 serve: weights
 	$(PY) -m service --model-dir $(MODEL_DIR) --host $(HOST) --port $(PORT)
 
-# Debian's prometheus (server + promtool): the metrics and deployment tests run the real thing.
+# Debian's prometheus (server + promtool) and haproxy: the metrics and deployment tests run the real thing.
 system-deps:
-	@if ! command -v prometheus >/dev/null || ! command -v promtool >/dev/null; then \
+	@if ! command -v prometheus >/dev/null || ! command -v promtool >/dev/null || ! command -v haproxy >/dev/null; then \
 	  if [ "$$(id -u)" = 0 ]; then \
-	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null) \
-	      || echo "warning: could not install Debian's prometheus; its tests will be skipped"; \
-	  else echo "warning: not root, cannot apt-get install prometheus; its tests will be skipped"; fi; \
+	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus haproxy >/dev/null) \
+	      || echo "warning: could not install Debian's prometheus/haproxy; their tests will be skipped"; \
+	  else echo "warning: not root, cannot apt-get install prometheus haproxy; their tests will be skipped"; fi; \
 	fi
 
 test: weights system-deps

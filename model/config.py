@@ -22,14 +22,19 @@ class GPT2Config:
     eos_token_id: int = 50256
 
     def __post_init__(self) -> None:
+        # A float or a string here would only fail later, deep inside module construction.
+        for name in ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head"):
+            if not _is_positive(getattr(self, name), int):
+                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        if self.n_inner is not None and not _is_positive(self.n_inner, int):
+            raise ValueError(f"n_inner must be null or a positive integer, got {self.n_inner!r}")
+        if not _is_positive(self.layer_norm_epsilon, (int, float)):
+            raise ValueError(f"layer_norm_epsilon must be a positive number, got {self.layer_norm_epsilon!r}")
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
         if self.activation_function not in ("gelu_new", "gelu_pytorch_tanh"):
             # Both names mean GPT-2's tanh-approximated GELU; anything else is another model.
             raise ValueError(f"unsupported activation_function {self.activation_function!r}")
-        for name in ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
 
     @property
     def head_dim(self) -> int:
@@ -41,6 +46,12 @@ class GPT2Config:
 
     @classmethod
     def from_dict(cls, raw: dict) -> "GPT2Config":
+        for key, gpt2_value in UNSUPPORTED_OPTIONS.items():
+            if raw.get(key, gpt2_value) != gpt2_value:
+                raise ValueError(
+                    f"{key}={raw[key]!r} changes the model's arithmetic and is not supported"
+                    f" (GPT-2 uses {gpt2_value!r})"
+                )
         known = {f.name for f in fields(cls)}
         # Hugging Face configs carry many unrelated keys (task params, architectures, ...).
         return cls(**{k: v for k, v in raw.items() if k in known})
@@ -52,10 +63,15 @@ class GPT2Config:
             raw = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError) as exc:
             raise ValueError(f"cannot read model config {path}: {exc}") from exc
+        if not isinstance(raw, dict):
+            raise ValueError(f"{path}: expected a JSON object, got {type(raw).__name__}")
         model_type = raw.get("model_type", "gpt2")
         if model_type != "gpt2":
             raise ValueError(f"{path}: model_type is {model_type!r}, expected 'gpt2'")
-        return cls.from_dict(raw)
+        try:
+            return cls.from_dict(raw)
+        except ValueError as exc:
+            raise ValueError(f"{path}: {exc}") from exc
 
     @classmethod
     def preset(cls, name: str) -> "GPT2Config":
@@ -73,6 +89,18 @@ class GPT2Config:
     def with_(self, **changes) -> "GPT2Config":
         return replace(self, **changes)
 
+
+def _is_positive(value: object, kind: type | tuple[type, ...]) -> bool:
+    return isinstance(value, kind) and not isinstance(value, bool) and value > 0
+
+
+# transformers' GPT2Config options that this implementation does not compute, with the value
+# GPT-2 itself uses: a config that sets another value must be refused, not silently served.
+UNSUPPORTED_OPTIONS = {
+    "scale_attn_weights": True,
+    "scale_attn_by_inverse_layer_idx": False,
+    "add_cross_attention": False,
+}
 
 PRESETS: dict[str, GPT2Config] = {
     "gpt2": GPT2Config(),

@@ -1,26 +1,31 @@
-"""Builds the FastAPI application: loads the model at start-up, mounts the routes."""
+"""Builds the FastAPI application: loads the model, builds the engine loop, mounts the routes.
+
+Request path: BearerAuth (optional) → RequestMetrics → FastAPI's body limit (413 before parsing)
+→ route → schemas/admission (422) → Generations → EngineLoop (its own thread) → back as events.
+"""
 
 from __future__ import annotations
 
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 
 import torch
 from fastapi import FastAPI
+from starlette.concurrency import run_in_threadpool
 
-from model.gpt2 import GPT2
+from service.api import include_routes
+from service.auth import BearerAuthMiddleware
+from service.engine import Engine, EngineConfig
+from service.errors import install_error_handlers
+from service.generation import Generations
+from service.loop import EngineLoop
+from service.metrics import RequestMetricsMiddleware
 from service.settings import Settings
+from service.state import ServiceState
 from weights.checkpoint import load_model
 from weights.prepare import read_origin
 from weights.tokenizer import GPT2Tokenizer
 
-
-@dataclass
-class ServiceState:
-    settings: Settings
-    model: GPT2
-    tokenizer: GPT2Tokenizer
-    origin: dict
+__all__ = ["ServiceState", "create_app", "load_state"]
 
 
 def load_state(settings: Settings) -> ServiceState:
@@ -28,22 +33,55 @@ def load_state(settings: Settings) -> ServiceState:
         torch.set_num_threads(settings.threads)
     model = load_model(settings.model_dir, device=settings.device, dtype=settings.torch_dtype)
     tokenizer = GPT2Tokenizer.from_dir(settings.model_dir)
-    return ServiceState(settings, model, tokenizer, read_origin(settings.model_dir))
+    state = ServiceState(settings, model, tokenizer, read_origin(settings.model_dir))
+    config = model.config
+    state.metrics.describe_model(
+        name=settings.model_name, n_layer=config.n_layer, n_head=config.n_head, n_embd=config.n_embd,
+        n_positions=config.n_positions, vocab_size=config.vocab_size, dtype=settings.dtype,
+        device=settings.device, source=state.origin.get("source", "unknown"),
+    )
+    return state
+
+
+def build_loop(state: ServiceState) -> EngineLoop:
+    settings = state.settings
+    engine_config = EngineConfig(
+        max_slots=settings.max_batch_size,
+        max_len=state.limits.context_length,
+        max_waiting=settings.max_waiting,
+    )
+    engine = Engine(state.model, state.tokenizer, engine_config)
+    return EngineLoop(engine, on_step=state.metrics.observe_step)
 
 
 def create_app(settings: Settings) -> FastAPI:
     # Load before serving: a bad checkpoint must stop start-up, not the first request.
     state = load_state(settings)
+    state.loop = build_loop(state)
+    state.generations = Generations(state.loop, state.metrics, settings.retry_after_seconds)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        app.state.service = state
-        yield
+        state.loop.start()
+        try:
+            yield
+        finally:
+            # uvicorn has already waited (up to drain_seconds) for open responses; what is still
+            # running now finishes or is cancelled by the loop's own drain.
+            await run_in_threadpool(state.loop.shutdown, settings.drain_seconds)
 
-    app = FastAPI(title="gpt2-serve", lifespan=lifespan)
-
-    @app.get("/health")
-    async def health() -> dict:
-        return {"status": "ok"}
-
+    app = FastAPI(
+        title="gpt2-serve",
+        summary="GPT-2 inference: TGI- and OpenAI-compatible generation, attention spectral analysis",
+        lifespan=lifespan,
+        max_body_size=settings.max_body_bytes,
+    )
+    app.state.service = state
+    install_error_handlers(app, settings.max_body_bytes)
+    include_routes(app)
+    state.metrics.declare_endpoints([getattr(r, "path", "") for r in app.routes])
+    app.add_middleware(RequestMetricsMiddleware, metrics=state.metrics)
+    if settings.api_key is not None:
+        # Added last, so outermost: unauthenticated requests do no work and are not counted.
+        app.add_middleware(BearerAuthMiddleware, api_key=settings.api_key.get_secret_value())
     return app

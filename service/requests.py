@@ -1,6 +1,8 @@
 """Plain data passed between the HTTP layer and the engine loop (the contract between them).
 
-HTTP → schema → GenerationRequest → scheduler/engine → TokenEvent* → FinishedRequest.
+HTTP → schema → GenerationRequest → EngineLoop.submit → asyncio.Queue of
+    TokenEvent* then exactly one FinishedRequest (or RequestFailed).
+The loop also reports one StepStats per engine step to an optional callback (metrics).
 """
 
 from __future__ import annotations
@@ -9,6 +11,14 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 FinishReason = Literal["length", "eos_token", "stop_sequence", "cancelled"]
+
+
+class QueueFull(Exception):
+    """The waiting queue is at its limit: the HTTP layer answers 429 and the client retries."""
+
+
+class EngineStopped(Exception):
+    """The engine is shutting down (draining) and takes no new work: answer 503."""
 
 
 @dataclass(frozen=True)
@@ -21,13 +31,14 @@ class SamplingParams:
     top_k: int = 0  # 0: off
     top_p: float = 1.0  # 1.0: off
     repetition_penalty: float = 1.0  # 1.0: off
-    seed: int | None = None
+    seed: int | None = None  # sampling without a seed gets a random one, reported back
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     num_beams: int = 1
     length_penalty: float = 1.0
     early_stopping: bool | Literal["never"] = False
     num_return_sequences: int = 1
+    prompt_logprobs: bool = False  # FinishedRequest.prompt_logprobs (TGI decoder_input_details)
 
 
 @dataclass
@@ -47,6 +58,7 @@ class TokenEvent:
     token_id: int
     text: str  # text this token releases (stop-string hold-back may delay or cut it)
     logprob: float
+    time: float = 0.0  # time.monotonic() when the token was produced (inter-token latency)
 
 
 @dataclass
@@ -56,6 +68,7 @@ class FinishedSequence:
     logprobs: list[float]
     finish_reason: FinishReason
     score: float | None = None  # beam search: the length-penalised sequence score
+    token_times: list[float] = field(default_factory=list)  # time.monotonic() per token
 
 
 @dataclass
@@ -68,3 +81,36 @@ class FinishedRequest:
     first_token_seconds: float | None  # arrival → first token
     total_seconds: float
     extra: dict = field(default_factory=dict)
+    # One entry per prompt token: None for the first, then log p(token | tokens before it).
+    prompt_logprobs: list[float | None] | None = None
+
+    @property
+    def generated_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.sequences)
+
+
+@dataclass
+class RequestFailed:
+    """The engine could not finish this request (an internal error): answer 500."""
+
+    request_id: str
+    message: str
+
+
+@dataclass
+class StepStats:
+    """What one engine step did, for metrics (reported from the engine thread)."""
+
+    batch_size: int  # sequences that got a token this step
+    prefill_tokens: int  # prompt tokens run this step
+    decode_tokens: int  # sequences that decoded one token from the cache
+    running: int  # requests holding KV-cache slots after the step
+    waiting: int  # requests queued for admission after the step
+    kv_slots_used: int
+    kv_slots_total: int
+    step_seconds: float
+    finished: int = 0  # requests that finished this step
+
+    @property
+    def kv_usage_ratio(self) -> float:
+        return self.kv_slots_used / self.kv_slots_total

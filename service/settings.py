@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-from pydantic import Field
+from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -15,13 +15,51 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="GPT2_", extra="ignore")
 
+    # --- model and process ----------------------------------------------------------------
     model_dir: Path = Field(Path("weights/gpt2"), description="folder with config.json, model.safetensors, tokenizer")
+    model_name: str = Field("gpt2", min_length=1, max_length=200, description="model id shown by /v1/models and /info")
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
     device: Literal["cpu", "cuda"] = "cpu"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     threads: int | None = Field(None, ge=1, description="torch intra-op threads (CPU); default: torch's choice")
 
+    # --- engine limits ----------------------------------------------------------------------
+    max_batch_size: int = Field(16, ge=1, le=1024, description="KV-cache slots: sequences decoded together")
+    max_seq_len: int | None = Field(
+        None, ge=2, description="prompt + generated tokens per sequence; default: the model's context"
+    )
+    max_waiting: int = Field(64, ge=1, le=100_000, description="queued requests beyond which new ones get 429")
+    max_new_tokens: int = Field(1024, ge=1, description="largest max_new_tokens a request may ask for")
+    default_max_new_tokens: int = Field(20, ge=1, description="max_new_tokens when a TGI request gives none")
+    max_prompts_per_request: int = Field(16, ge=1, le=1024, description="prompts in one list-valued `inputs`")
+    max_beams: int = Field(8, ge=1, le=64, description="largest num_beams / num_return_sequences / best_of")
+    max_stop_sequences: int = Field(4, ge=0, le=64, description="stop strings per request")
+    max_stop_chars: int = Field(64, ge=1, le=4096, description="characters per stop string")
+
+    # --- HTTP -------------------------------------------------------------------------------
+    max_body_bytes: int = Field(1_000_000, ge=1, description="request bodies above this get 413 before parsing")
+    api_key: SecretStr | None = Field(None, description="if set, bearer token required on all but /health, /metrics")
+    drain_seconds: float = Field(30.0, ge=0, description="on SIGTERM, how long in-flight requests may finish")
+    retry_after_seconds: int = Field(1, ge=0, le=3600, description="Retry-After sent with 429")
+
+    # --- /analyze/spectrum --------------------------------------------------------------------
+    analysis_max_texts: int = Field(8, ge=1, le=256, description="texts per analysis request")
+    analysis_max_tokens: int = Field(512, ge=1, description="tokens per analysed text")
+    analysis_max_concurrent: int = Field(1, ge=1, le=64, description="analyses running at once; more get 429")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "Settings":
+        if self.default_max_new_tokens > self.max_new_tokens:
+            raise ValueError(
+                f"default_max_new_tokens ({self.default_max_new_tokens}) exceeds max_new_tokens ({self.max_new_tokens})"
+            )
+        return self
+
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
+
+    def context_length(self, n_positions: int) -> int:
+        """Longest sequence (prompt + generated) served: the setting, capped by the model."""
+        return min(self.max_seq_len or n_positions, n_positions)

@@ -30,11 +30,14 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
             weight_map = json.loads(index.read_text())["weight_map"]
         except (OSError, json.JSONDecodeError, KeyError, TypeError) as exc:
             raise CheckpointError(f"{index}: not a valid shard index ({exc})") from exc
-        shards = sorted({model_dir / name for name in weight_map.values()})
-        missing = [str(p) for p in shards if not p.exists()]
+        names = set(weight_map.values())
+        outside = sorted(n for n in names if not isinstance(n, str) or Path(n).name != n)
+        if outside:
+            raise CheckpointError(f"{index}: shard names must be file names in {model_dir}: {outside}")
+        missing = sorted(n for n in names if not (model_dir / n).exists())
         if missing:
             raise CheckpointError(f"{index}: lists shard files that do not exist: {missing}")
-        return shards
+        return sorted(model_dir / n for n in names)
     single = model_dir / SINGLE_FILE
     if single.exists():
         return [single]
@@ -53,57 +56,107 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
 def _read_tensors(files: list[Path]) -> Iterator[tuple[Path, str, torch.Tensor]]:
     for path in files:
         try:
-            with safe_open(str(path), framework="pt", device="cpu") as reader:
-                for name in reader.keys():
-                    yield path, name, reader.get_tensor(name)
-        except (SafetensorError, OSError, RuntimeError) as exc:
+            reader = safe_open(str(path), framework="pt", device="cpu")
+        except (SafetensorError, OSError) as exc:
+            cut = _cut_off_tensor(path)
+            if cut:
+                raise CheckpointError(f"{path}: truncated file: {cut}") from exc
             raise CheckpointError(f"{path}: not a readable safetensors file ({exc})") from exc
+        with reader:
+            for name in reader.keys():
+                try:
+                    tensor = reader.get_tensor(name)
+                except (SafetensorError, RuntimeError, TypeError) as exc:
+                    raise CheckpointError(f"{path}: tensor {name!r} cannot be read ({exc})") from exc
+                yield path, name, tensor
+
+
+def _cut_off_tensor(path: Path) -> str | None:
+    """Which tensor's bytes a cut-short file lacks, read from its (intact) header; else None.
+
+    safetensors only says "file not fully covered"; naming the tensor tells a partial download
+    from a file that was never a checkpoint.
+    """
+    try:
+        size = path.stat().st_size
+        with path.open("rb") as f:
+            header_size = int.from_bytes(f.read(8), "little")
+            if header_size > size - 8:
+                return None  # the header itself is cut or corrupt: no tensor to name
+            header = json.loads(f.read(header_size))
+        ends = {
+            name: 8 + header_size + int(info["data_offsets"][1])
+            for name, info in header.items()
+            if name != "__metadata__"
+        }
+    except (OSError, ValueError, TypeError, KeyError, IndexError, AttributeError):
+        return None
+    cut = [(end, name) for name, end in ends.items() if end > size]
+    if not cut:
+        return None
+    end, name = min(cut)
+    return (
+        f"tensor {name!r} needs bytes up to {end} but the file has {size}"
+        f" ({len(cut)} of {len(ends)} tensors cut off)"
+    )
 
 
 def read_state_dict(model_dir: Path, config: GPT2Config, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Tensors renamed to our module names, checked against the config, converted to dtype."""
+    files = checkpoint_files(model_dir)
     expected = _expected_shapes(config)
+    described = _describe(model_dir, config)
     state: dict[str, torch.Tensor] = {}
     origin: dict[str, Path] = {}
-    tied: dict[str, tuple[Path, torch.Tensor]] = {}
-    for path, raw_name, tensor in _read_tensors(checkpoint_files(model_dir)):
+    tied: dict[str, tuple[str, torch.Tensor]] = {}
+    prefix = ""  # the checkpoint's naming, so messages use the names its author will recognise
+    for path, raw_name, tensor in _read_tensors(files):
         name = canonical_name(raw_name)
         if is_ignored(name):
             continue
         where = f"{path}: tensor {raw_name!r}"
         if name in TIED:
-            tied[name] = (path, tensor)
+            tied[name] = (where, tensor)
             continue
+        prefix = raw_name[: len(raw_name) - len(name)]
         if name not in expected:
-            raise CheckpointError(f"{where} is unexpected for {_describe(config)}")
+            raise CheckpointError(f"{where} is unexpected: {described} has no such parameter")
         if name in state:
             raise CheckpointError(f"{where} duplicates one already read from {origin[name]}")
         if tuple(tensor.shape) != expected[name]:
             raise CheckpointError(
-                f"{where} has shape {list(tensor.shape)}, but {_describe(config)} needs"
-                f" {list(expected[name])}"
+                f"{where} has shape {list(tensor.shape)}, but {described} needs {list(expected[name])}"
             )
-        if not tensor.is_floating_point():
-            raise CheckpointError(f"{where} has dtype {tensor.dtype}; expected a float dtype")
-        if not bool(torch.isfinite(tensor).all()):
-            raise CheckpointError(f"{where} contains NaN or infinite values")
-        state[name] = tensor.to(dtype)
+        state[name] = _converted(where, tensor, dtype)
         origin[name] = path
 
     missing = sorted(set(expected) - set(state), key=_natural_key)
     if missing:
-        shown = ", ".join(repr(n) for n in missing[:5]) + (" ..." if len(missing) > 5 else "")
-        raise CheckpointError(
-            f"{model_dir}: missing {len(missing)} tensor(s) needed by {_describe(config)}: {shown}"
-        )
-    for name, (path, tensor) in tied.items():
+        shown = ", ".join(repr(prefix + n) for n in missing[:5]) + (" ..." if len(missing) > 5 else "")
+        source = files[0] if len(files) == 1 else f"{model_dir} ({len(files)} shards)"
+        raise CheckpointError(f"{source}: lacks {len(missing)} tensor(s) that {described} needs: {shown}")
+    for name, (where, tensor) in tied.items():
         target = state[TIED[name]]
         if tuple(tensor.shape) != tuple(target.shape) or not torch.equal(tensor.to(dtype), target):
             raise CheckpointError(
-                f"{path}: tensor {name!r} differs from {TIED[name]!r}; GPT-2 ties them and an"
-                " untied head is not supported"
+                f"{where} differs from {prefix + TIED[name]!r}; GPT-2 ties them and an untied"
+                " head is not supported"
             )
     return state
+
+
+def _converted(where: str, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    if not tensor.is_floating_point():
+        raise CheckpointError(f"{where} has dtype {tensor.dtype}; expected a float dtype")
+    if not bool(torch.isfinite(tensor).all()):
+        raise CheckpointError(f"{where} contains NaN or infinite values")
+    converted = tensor.to(dtype)
+    if not bool(torch.isfinite(converted).all()):
+        # float32 values beyond float16's range become inf: serving them would give NaN logits.
+        raise CheckpointError(
+            f"{where} has values up to {tensor.abs().max().item():.3g}, beyond the range of {dtype}"
+        )
+    return converted
 
 
 def load_model(
@@ -118,14 +171,16 @@ def load_model(
         model = GPT2(config)
     model.load_state_dict(state, strict=True, assign=True)
     model = model.to(device=device).eval().requires_grad_(False)
-    model.prepare_lm_head()
+    model.prepare()
     return model
 
 
 def load_config(model_dir: Path) -> GPT2Config:
     path = model_dir / CONFIG_FILE
+    if not model_dir.is_dir():
+        raise CheckpointError(f"{model_dir}: not a directory")
     if not path.exists():
-        raise CheckpointError(f"{model_dir}: no {CONFIG_FILE}")
+        raise CheckpointError(f"{path}: not found; a model folder needs a Hugging Face {CONFIG_FILE}")
     try:
         return GPT2Config.from_json(path)
     except (ValueError, TypeError) as exc:
@@ -137,9 +192,10 @@ def _expected_shapes(config: GPT2Config) -> dict[str, tuple[int, ...]]:
         return {name: tuple(p.shape) for name, p in GPT2(config).named_parameters()}
 
 
-def _describe(config: GPT2Config) -> str:
+def _describe(model_dir: Path, config: GPT2Config) -> str:
     return (
-        f"the config (n_layer={config.n_layer}, n_embd={config.n_embd}, n_head={config.n_head},"
+        f"the model {model_dir / CONFIG_FILE} describes (n_layer={config.n_layer},"
+        f" n_embd={config.n_embd}, n_head={config.n_head}, n_inner={config.inner_dim},"
         f" vocab_size={config.vocab_size}, n_positions={config.n_positions})"
     )
 

@@ -2,9 +2,11 @@
 default (GPT-2's real tokenizer and a deterministic random-init GPT-2 124M).
 
     python -m weights.prepare [--out weights/gpt2] [--source auto|hub|random] [--force]
+                              [--seed 0] [--preset gpt2|gpt2-medium|gpt2-large|gpt2-xl|distilgpt2]
 
 `auto` tries the hub only when not offline (HF_HUB_OFFLINE=1 or GPT2_OFFLINE=1 switch it off) and
-the hub answers within a few seconds; otherwise it builds the offline default.
+the hub answers within a few seconds; otherwise it builds the offline default. `--preset` picks
+the random-init model's size (the hub source is always openai-community/gpt2).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from model.config import GPT2Config
+from model.config import PRESETS, GPT2Config
 from weights.bpe_source import write_tokenizer_files
 from weights.checkpoint import CONFIG_FILE, SINGLE_FILE, load_model
 from weights.random_init import init_state, write_model_dir
@@ -67,8 +69,7 @@ def prepare_from_hub(out_dir: Path, repo: str) -> dict:
     return {"source": "huggingface-hub", "repo": repo}
 
 
-def prepare_random(out_dir: Path, seed: int) -> dict:
-    config = GPT2Config.preset("gpt2")
+def prepare_random(out_dir: Path, seed: int, config: GPT2Config) -> dict:
     write_model_dir(out_dir, config, init_state(config, seed=seed, progress=True), prefixed=True)
     write_tokenizer_files(out_dir, CACHE_DIR)
     return {
@@ -79,12 +80,30 @@ def prepare_random(out_dir: Path, seed: int) -> dict:
     }
 
 
-def prepare(out_dir: Path, source: str = "auto", seed: int = DEFAULT_SEED, force: bool = False) -> dict:
+def prepare(
+    out_dir: Path,
+    source: str = "auto",
+    seed: int = DEFAULT_SEED,
+    force: bool = False,
+    config: GPT2Config = PRESETS["gpt2"],
+) -> dict:
     if is_prepared(out_dir) and not force:
         return read_origin(out_dir)
     tmp = out_dir.with_name(out_dir.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
+    try:
+        origin = _build(tmp, source, seed, config)
+        load_model(tmp)  # refuse to publish a folder the server could not load
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    shutil.rmtree(out_dir, ignore_errors=True)
+    tmp.rename(out_dir)
+    return origin
+
+
+def _build(tmp: Path, source: str, seed: int, config: GPT2Config) -> dict:
     use_hub = source == "hub" or (source == "auto" and not is_offline() and hub_reachable())
     origin: dict | None = None
     if use_hub:
@@ -95,12 +114,9 @@ def prepare(out_dir: Path, source: str = "auto", seed: int = DEFAULT_SEED, force
                 raise
             print(f"hub download failed ({exc}); building the offline default", file=sys.stderr)
     if origin is None:
-        origin = prepare_random(tmp, seed)
+        origin = prepare_random(tmp, seed, config)
     origin["prepared_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     (tmp / ORIGIN_FILE).write_text(json.dumps(origin, indent=2) + "\n")
-    load_model(tmp)  # refuse to publish a folder the server could not load
-    shutil.rmtree(out_dir, ignore_errors=True)
-    tmp.rename(out_dir)
     return origin
 
 
@@ -110,8 +126,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--source", choices=("auto", "hub", "random"), default="auto")
     parser.add_argument("--seed", type=int, default=DEFAULT_SEED)
     parser.add_argument("--force", action="store_true")
+    parser.add_argument("--preset", choices=list(PRESETS), default="gpt2", help="random-init size")
     args = parser.parse_args(argv)
-    origin = prepare(args.out, args.source, args.seed, args.force)
+    origin = prepare(args.out, args.source, args.seed, args.force, PRESETS[args.preset])
     print(f"{args.out}: {json.dumps(origin)}")
 
 

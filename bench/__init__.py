@@ -1,0 +1,1 @@
+"""Reproducible comparisons with transformers, run side by side in one process."""

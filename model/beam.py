@@ -1,0 +1,308 @@
+"""Beam search bookkeeping with the semantics of transformers' `generate(num_beams=...)`.
+
+This mirrors `GenerationMixin._beam_search` (transformers 5.x) for one prompt, so a request
+served here returns the same sequences and `sequences_scores` as `generate()`:
+
+* scores: log_softmax of the raw logits (in float32), then the logits processors (here only
+  repetition_penalty, which sees the prompt plus the beam's own tokens and, on log-probs that
+  are all <= 0, multiplies each seen token's log-prob by the penalty once), then the beam's
+  running score is added. Beam 0 starts at 0 and the others at -1e9, so the first step expands
+  one beam only.
+* each step keeps the top 2 * num_beams candidates over all beams; a candidate that ends in
+  eos_token_id or reaches max_new_tokens is finished. Only finished candidates ranked within
+  the first num_beams enter the finished set, scored sum_logprobs / generated_len **
+  length_penalty, where generated_len counts every generated token including the EOS. The best
+  num_beams unfinished candidates run on.
+* generation stops when the best running beam can no longer beat the worst of num_beams finished
+  hypotheses (its score divided by the current generated length ** length_penalty; with
+  early_stopping="never" and length_penalty > 0, by max_new_tokens ** length_penalty), or, with
+  early_stopping=True, as soon as num_beams hypotheses are finished, or when every candidate
+  hit max_new_tokens.
+* the result is the finished set sorted best first, cut to num_return_sequences. Sequences keep
+  their EOS token, as in generate() (which also pads shorter ones; we do not).
+
+generate() with num_beams=1 is greedy decoding, not this, so BeamParams requires num_beams >= 2.
+
+Use from an engine (one KV-cache slot per beam):
+
+    search = BeamSearch(BeamParams(num_beams=4, eos_token_id=50256, max_new_tokens=32), prompt)
+    logits = prefill(prompt)                      # [1, V]: only beam 0 is live at first
+    while True:
+        step = search.step(logits)                # logits [num_beams, V] (or [1, V] at first)
+        if step.done:
+            break
+        reorder_beam_slots(cache, slots, step.source_beams, length=position)
+        logits = decode(step.next_tokens, slots)  # row i feeds step.next_tokens[i]
+    hypotheses = search.finish()                  # best first, num_return_sequences of them
+
+`beam_generate` is that loop for a model and a KV cache, ready to use or to copy.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from model.gpt2 import GPT2
+from model.kv_cache import KVCache
+
+# transformers marks impossible beams with this score rather than -inf, so arithmetic on them
+# stays finite; using the same constant keeps rankings identical in the corner cases.
+NEG_SCORE = -1.0e9
+
+BeamFinishReason = Literal["eos_token", "length"]
+
+
+@dataclass(frozen=True)
+class BeamParams:
+    num_beams: int
+    length_penalty: float = 1.0
+    early_stopping: bool | Literal["never"] = False
+    num_return_sequences: int = 1
+    eos_token_id: int | None = None  # None: only max_new_tokens ends a hypothesis
+    max_new_tokens: int = 20
+    repetition_penalty: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.num_beams < 2:
+            raise ValueError(
+                f"num_beams must be at least 2 for beam search, got {self.num_beams}"
+                " (num_beams=1 is greedy decoding)"
+            )
+        if not 1 <= self.num_return_sequences <= self.num_beams:
+            raise ValueError(
+                f"num_return_sequences must be in [1, num_beams={self.num_beams}],"
+                f" got {self.num_return_sequences}"
+            )
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be at least 1, got {self.max_new_tokens}")
+        if self.early_stopping not in (True, False, "never"):
+            raise ValueError(
+                f"early_stopping must be true, false or 'never', got {self.early_stopping!r}"
+            )
+        if not math.isfinite(self.length_penalty):
+            raise ValueError(f"length_penalty must be finite, got {self.length_penalty}")
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
+            raise ValueError(
+                f"repetition_penalty must be a positive number, got {self.repetition_penalty}"
+            )
+
+
+@dataclass
+class BeamStep:
+    next_tokens: list[int]  # the token row i of the next decode step feeds
+    source_beams: list[int]  # row i continues the beam that was in row source_beams[i]
+    done: bool  # stop decoding and call finish(); next_tokens/source_beams are then unused
+
+
+@dataclass
+class Hypothesis:
+    token_ids: list[int]  # generated tokens only, ending with the EOS when it finished on one
+    token_logprobs: list[float]  # each token's processed log-prob (after repetition_penalty)
+    score: float  # sum(token_logprobs) / len(token_ids) ** length_penalty
+    finish_reason: BeamFinishReason
+
+
+class BeamSearch:
+    """The state of one beam-search request; feed it each step's logits, read what to run next."""
+
+    def __init__(self, params: BeamParams, prompt_ids: list[int]) -> None:
+        if not prompt_ids:
+            raise ValueError("beam search needs a prompt of at least one token")
+        self.params = params
+        self.prompt_ids = list(prompt_ids)
+        n = params.num_beams
+        # A candidate list this long always holds num_beams that did not just end on the EOS.
+        self._candidates = max(2, 1 + (params.eos_token_id is not None)) * n
+        self._generated = 0  # tokens generated so far by every running beam
+        self.done = False
+        # Bookkeeping over 2 * num_beams candidates is tiny: it lives on the CPU, in float32,
+        # with transformers' arithmetic; only vocab-sized work stays on the logits' device.
+        self._running_scores = torch.full((n,), NEG_SCORE)  # [num_beams]
+        self._running_scores[0] = 0.0
+        self._running_tokens: list[list[int]] = [[] for _ in range(n)]
+        self._running_logprobs: list[list[float]] = [[] for _ in range(n)]
+        self._finished_scores = torch.full((n,), NEG_SCORE)  # [num_beams]
+        self._finished_flags = torch.zeros(n, dtype=torch.bool)  # [num_beams]
+        self._finished: list[Hypothesis | None] = [None] * n
+        self._improvement_possible = True
+        self._seen: torch.Tensor | None = None  # [num_beams, V] bool, for repetition_penalty
+
+    def step(self, logits: torch.Tensor) -> BeamStep:
+        """Advance every beam by one token given the raw logits of the running beams."""
+        if self.done:
+            raise RuntimeError("beam search is done; call finish()")
+        params = self.params
+        n = params.num_beams
+        expected_rows = (1, n) if self._generated == 0 else (n,)
+        if logits.dim() != 2 or logits.shape[0] not in expected_rows:
+            raise ValueError(
+                f"expected logits [num_beams={n}, vocab], got {list(logits.shape)}"
+                + (" (or [1, vocab] for the first step)" if self._generated == 0 else "")
+            )
+        vocab = logits.shape[-1]
+        log_probs = torch.log_softmax(logits.float(), dim=-1).expand(n, vocab)  # [n, V]
+        if params.repetition_penalty != 1.0:
+            log_probs = self._penalise_repeats(log_probs)
+
+        totals = log_probs + self._running_scores.to(log_probs.device)[:, None]  # [n, V]
+        top_totals, top_flat = torch.topk(totals.reshape(-1), self._candidates)  # [K], [K]
+        top_logprobs = log_probs.reshape(-1)[top_flat]  # [K]
+        # One device-to-host transfer per step: the K candidates. float64 holds the float32
+        # scores and the flat indices (up to num_beams * V) exactly.
+        packed = torch.stack([top_totals.double(), top_logprobs.double(), top_flat.double()])
+        packed = packed.cpu()  # [3, K]
+        top_totals, top_logprobs = packed[0].float(), packed[1].tolist()
+        top_flat = packed[2].long().tolist()
+        beams = [flat // vocab for flat in top_flat]
+        tokens = [flat % vocab for flat in top_flat]
+
+        generated = self._generated + 1
+        hits = torch.tensor(
+            [tok == params.eos_token_id or generated >= params.max_new_tokens for tok in tokens]
+        )  # [K] bool: this candidate ends its hypothesis
+        candidates = [
+            (self._running_tokens[b] + [t], self._running_logprobs[b] + [lp])
+            for b, t, lp in zip(beams, tokens, top_logprobs)
+        ]
+
+        # Running beams for the next step: the best num_beams candidates that did not finish.
+        running_totals = top_totals + hits.to(torch.float32) * NEG_SCORE  # [K]
+        keep = torch.topk(running_totals, n).indices.tolist()
+        self._running_scores = running_totals[keep]  # [n]
+        self._running_tokens = [candidates[k][0] for k in keep]
+        self._running_logprobs = [candidates[k][1] for k in keep]
+        source_beams = [beams[k] for k in keep]
+        next_tokens = [tokens[k] for k in keep]
+
+        self._add_finished(top_totals, hits, candidates, generated)
+        self._generated = generated
+        self.done = self._should_stop(hits)
+        if params.repetition_penalty != 1.0 and not self.done:
+            self._advance_seen(source_beams, next_tokens)
+        return BeamStep(next_tokens=next_tokens, source_beams=source_beams, done=self.done)
+
+    def finish(self) -> list[Hypothesis]:
+        """The best num_return_sequences finished hypotheses, best first."""
+        if not self.done:
+            raise RuntimeError("beam search is not done yet")
+        # The finished set is kept sorted by score (a top-k merge each step).
+        found = [hyp for hyp in self._finished if hyp is not None]
+        return found[: self.params.num_return_sequences]
+
+    # --- internals ----------------------------------------------------------------------------
+    def _penalise_repeats(self, log_probs: torch.Tensor) -> torch.Tensor:
+        n, vocab = log_probs.shape
+        if self._seen is None:
+            prompt = torch.tensor(self.prompt_ids, device=log_probs.device)
+            self._seen = torch.zeros(n, vocab, dtype=torch.bool, device=log_probs.device)
+            self._seen[:, prompt] = True  # [n, V]
+        penalty = self.params.repetition_penalty
+        penalised = torch.where(log_probs < 0, log_probs * penalty, log_probs / penalty)  # [n, V]
+        return torch.where(self._seen, penalised, log_probs)
+
+    def _advance_seen(self, source_beams: list[int], next_tokens: list[int]) -> None:
+        device = self._seen.device
+        rows = torch.arange(len(source_beams), device=device)
+        self._seen = self._seen[torch.tensor(source_beams, device=device)]  # [n, V]
+        self._seen[rows, torch.tensor(next_tokens, device=device)] = True
+
+    def _add_finished(
+        self,
+        top_totals: torch.Tensor,
+        hits: torch.Tensor,
+        candidates: list[tuple[list[int], list[float]]],
+        generated: int,
+    ) -> None:
+        n = self.params.num_beams
+        # Only the first num_beams candidates may finish; the rest exist so enough keep running.
+        in_top = torch.arange(hits.shape[0]) < n  # [K]
+        just_finished = hits & in_top  # [K]
+        scores = top_totals / (generated**self.params.length_penalty)  # [K]
+        scores = scores + (~just_finished).to(torch.float32) * NEG_SCORE
+        merged_scores = torch.cat([self._finished_scores, scores])  # [n + K]
+        merged_flags = torch.cat([self._finished_flags, just_finished])  # [n + K]
+        new_hyps = [
+            self._hypothesis(tokens, logprobs, float(score)) if finished else None
+            for (tokens, logprobs), score, finished in zip(
+                candidates, scores.tolist(), just_finished.tolist()
+            )
+        ]
+        merged_hyps = self._finished + new_hyps
+        best = torch.topk(merged_scores, n).indices  # [n], sorted best first
+        self._finished_scores = merged_scores[best]
+        self._finished_flags = merged_flags[best]
+        self._finished = [merged_hyps[i] for i in best.tolist()]
+
+    def _hypothesis(self, tokens: list[int], logprobs: list[float], score: float) -> Hypothesis:
+        eos = self.params.eos_token_id
+        reason: BeamFinishReason = "eos_token" if eos is not None and tokens[-1] == eos else "length"
+        return Hypothesis(token_ids=tokens, token_logprobs=logprobs, score=score, finish_reason=reason)
+
+    def _should_stop(self, hits: torch.Tensor) -> bool:
+        params = self.params
+        if params.early_stopping == "never" and params.length_penalty > 0.0:
+            best_length = params.max_new_tokens  # a longer hypothesis would score higher
+        else:
+            best_length = self._generated
+        best_running = self._running_scores[0] / (best_length**params.length_penalty)
+        worst_finished = torch.where(
+            self._finished_flags, self._finished_scores.min(), torch.tensor(NEG_SCORE)
+        )  # [n]: any slot still empty keeps the search going
+        self._improvement_possible = self._improvement_possible and bool(
+            (best_running > worst_finished).any()
+        )
+        all_finished = bool(self._finished_flags.all())
+        return (
+            not self._improvement_possible
+            or (all_finished and params.early_stopping is True)
+            or bool(hits.all())
+        )
+
+
+def reorder_beam_slots(cache: KVCache, slots: list[int], source_beams: list[int], length: int) -> None:
+    """Make slot i hold the first `length` cached positions of the beam it now continues."""
+    moves = [(slots[src], slots[i]) for i, src in enumerate(source_beams) if src != i]
+    if moves:
+        cache.copy_slots([src for src, _ in moves], [dst for _, dst in moves], length)
+
+
+def beam_generate(
+    model: GPT2, prompt_ids: list[int], params: BeamParams, cache: KVCache | None = None
+) -> list[Hypothesis]:
+    """Beam-search one prompt with `model`, one slot of `cache` per beam (freed afterwards)."""
+    device = model.device
+    prompt_length = len(prompt_ids)
+    if cache is None:
+        cache = KVCache(
+            model.config, params.num_beams, prompt_length + params.max_new_tokens, device, model.dtype
+        )
+    # The last generated token is never fed back, so it needs no cache position.
+    needed = prompt_length + params.max_new_tokens - 1
+    if needed > cache.max_len:
+        raise ValueError(
+            f"prompt ({prompt_length} tokens) + max_new_tokens ({params.max_new_tokens}) needs"
+            f" {needed} cached positions; the cache's max_len is {cache.max_len}"
+        )
+    search = BeamSearch(params, prompt_ids)
+    slots = cache.allocate(params.num_beams)
+    try:
+        # Every beam starts from the same prompt: prefill it once, into beam 0's slot; the first
+        # reorder copies it to the beams that continue from it.
+        prompt = torch.tensor([prompt_ids], device=device)  # [1, T]
+        last = torch.tensor([prompt_length - 1], device=device)  # [1]
+        logits = model(prompt, cache=cache, rows=cache.batch(slots[:1]), logits_index=last).logits
+        position = prompt_length
+        while not (step := search.step(logits)).done:
+            reorder_beam_slots(cache, slots, step.source_beams, position)
+            tokens = torch.tensor(step.next_tokens, device=device)[:, None]  # [n, 1]
+            positions = torch.full_like(tokens, position)  # [n, 1]
+            out = model(tokens, positions, cache, cache.batch(slots), kv_length=position + 1)
+            logits = out.logits[:, -1]  # [n, V]
+            position += 1
+        return search.finish()
+    finally:
+        cache.free(slots)

@@ -1,0 +1,163 @@
+"""From a validated body to engine work: the checks that need the settings or the token counts.
+
+Everything here raises `ApiError` (422 validation) with a message naming the field and the limit,
+before anything reaches the engine, so an invalid request never holds a KV-cache slot.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+
+from service.errors import validation_error
+from service.requests import GenerationRequest, SamplingParams
+from service.schemas import CompletionRequest, TGIParameters
+from service.settings import Settings
+from weights.tokenizer import GPT2Tokenizer
+
+
+@dataclass(frozen=True)
+class Limits:
+    context_length: int  # prompt + generated tokens per sequence
+    vocab_size: int
+    max_new_tokens: int
+    default_max_new_tokens: int
+    max_prompts: int
+    max_sequences: int  # num_beams, num_return_sequences, best_of, n
+    max_stop_sequences: int
+    max_stop_chars: int
+
+    @classmethod
+    def from_settings(cls, settings: Settings, n_positions: int, vocab_size: int) -> "Limits":
+        return cls(
+            context_length=settings.context_length(n_positions),
+            vocab_size=vocab_size,
+            max_new_tokens=settings.max_new_tokens,
+            default_max_new_tokens=settings.default_max_new_tokens,
+            max_prompts=settings.max_prompts_per_request,
+            # A request holds one KV-cache slot per beam or returned sequence.
+            max_sequences=min(settings.max_beams, settings.max_batch_size),
+            max_stop_sequences=settings.max_stop_sequences,
+            max_stop_chars=settings.max_stop_chars,
+        )
+
+
+@dataclass
+class Prompt:
+    """One prompt as the engine sees it, and as the response must show it."""
+
+    text: str
+    ids: list[int]
+
+
+def check_count(name: str, value: int, limit: int) -> None:
+    if value > limit:
+        raise validation_error(f"{name} is {value}; this server allows at most {limit}")
+
+
+def check_stops(stops: list[str], limits: Limits) -> tuple[str, ...]:
+    if len(stops) > limits.max_stop_sequences:
+        raise validation_error(
+            f"stop has {len(stops)} strings; this server allows at most {limits.max_stop_sequences}"
+        )
+    for stop in stops:
+        if len(stop) > limits.max_stop_chars:
+            raise validation_error(
+                f"stop string {stop[:20]!r}... has {len(stop)} characters; at most {limits.max_stop_chars}"
+            )
+    return tuple(stops)
+
+
+def tokenize_texts(tokenizer: GPT2Tokenizer, texts: list[str], truncate: int | None = None) -> list[Prompt]:
+    """Encode prompts; `truncate` keeps the last N tokens (TGI's left truncation)."""
+    prompts = []
+    for text, ids in zip(texts, tokenizer.encode_batch(texts)):
+        if truncate is not None and len(ids) > truncate:
+            ids = ids[-truncate:]
+            text = tokenizer.decode(ids)
+        prompts.append(Prompt(text=text, ids=ids))
+    return prompts
+
+
+def prompts_from_ids(tokenizer: GPT2Tokenizer, id_lists: list[list[int]], limits: Limits) -> list[Prompt]:
+    for ids in id_lists:
+        bad = [t for t in ids if t >= limits.vocab_size]
+        if bad:
+            raise validation_error(f"token id {bad[0]} is outside the vocabulary (size {limits.vocab_size})")
+    return [Prompt(text=tokenizer.decode(ids), ids=ids) for ids in id_lists]
+
+
+def check_lengths(prompts: list[Prompt], max_new_tokens: int, limits: Limits) -> None:
+    check_count("max_new_tokens", max_new_tokens, limits.max_new_tokens)
+    for index, prompt in enumerate(prompts):
+        if not prompt.ids:
+            raise validation_error(f"prompt {index} encodes to no tokens")
+        total = len(prompt.ids) + max_new_tokens
+        if total > limits.context_length:
+            which = f"prompt {index}" if len(prompts) > 1 else "the prompt"
+            raise validation_error(
+                f"{which} has {len(prompt.ids)} tokens and max_new_tokens is {max_new_tokens}: together "
+                f"{total}, more than the {limits.context_length}-token context; shorten the prompt, lower "
+                "max_new_tokens, or use `truncate`"
+            )
+
+
+def tgi_sampling(p: TGIParameters, limits: Limits) -> SamplingParams:
+    check_count("num_beams", p.num_beams, limits.max_sequences)
+    check_count("num_return_sequences", p.num_return_sequences, limits.max_sequences)
+    check_count("best_of", p.best_of or 1, limits.max_sequences)
+    if p.top_k is not None:
+        check_count("top_k", p.top_k, limits.vocab_size)
+    sampling = p.samples
+    return SamplingParams(
+        max_new_tokens=p.max_new_tokens or limits.default_max_new_tokens,
+        do_sample=sampling,
+        temperature=p.temperature if p.temperature is not None else 1.0,
+        top_k=p.top_k or 0,
+        top_p=p.top_p if p.top_p is not None else 1.0,
+        repetition_penalty=p.repetition_penalty if p.repetition_penalty is not None else 1.0,
+        seed=p.seed,
+        stop=check_stops(p.stop, limits),
+        ignore_eos=p.ignore_eos,
+        num_beams=p.num_beams,
+        length_penalty=p.length_penalty,
+        early_stopping=p.early_stopping,
+        # best_of runs as n sampled sequences of one request; the route keeps the best.
+        num_return_sequences=max(p.num_return_sequences, p.best_of or 1),
+        prompt_logprobs=p.decoder_input_details,
+    )
+
+
+def openai_sampling(req: CompletionRequest, limits: Limits) -> SamplingParams:
+    """One request per prompt; `n`/`best_of` become num_return_sequences when sampling."""
+    candidates = req.best_of or req.n
+    check_count("n", req.n, limits.max_sequences)
+    check_count("best_of", candidates, limits.max_sequences)
+    check_count("top_k", req.top_k, limits.vocab_size)
+    greedy = req.temperature == 0.0
+    return SamplingParams(
+        max_new_tokens=req.max_tokens or limits.default_max_new_tokens,
+        do_sample=not greedy,
+        temperature=1.0 if greedy else req.temperature,
+        top_k=req.top_k,
+        top_p=req.top_p,
+        repetition_penalty=req.repetition_penalty,
+        seed=req.seed,
+        stop=check_stops(req.stop_list, limits),
+        ignore_eos=req.ignore_eos,
+        # Greedy has one answer per prompt: the route submits the prompt n times (rare; keeps
+        # the usage it reports equal to the tokens computed).
+        num_return_sequences=1 if greedy else candidates,
+        prompt_logprobs=req.echo and req.logprobs is not None,
+    )
+
+
+def new_request_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def generation_requests(prompts: list[Prompt], params: SamplingParams, prefix: str) -> list[GenerationRequest]:
+    """One engine request per prompt, all stamped with the same arrival time."""
+    now = time.monotonic()
+    return [GenerationRequest(new_request_id(prefix), p.ids, params, now) for p in prompts]

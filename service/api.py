@@ -1,0 +1,81 @@
+"""The service's routes: TGI and OpenAI generation (own modules), plus health, info, tokenize and
+metrics here."""
+
+from __future__ import annotations
+
+from importlib.metadata import PackageNotFoundError, version
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.concurrency import run_in_threadpool
+
+from service import routes_openai, routes_tgi
+from service.schemas import Info, SimpleToken, TokenizeRequest
+from service.state import service_state
+
+router = APIRouter(tags=["Service"])
+
+
+def package_version() -> str:
+    try:
+        return version("gpt2-serve")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+@router.get("/health", summary="Liveness: the process serves HTTP and the model is loaded")
+async def health() -> dict:
+    return {"status": "ok"}
+
+
+@router.get("/info", response_model=Info, summary="The model, its weights' origin, and the limits requests must respect")
+async def info(request: Request) -> dict:
+    state = service_state(request)
+    settings, limits, config = state.settings, state.limits, state.model.config
+    loop = state.loop
+    return {
+        "model_id": settings.model_name,
+        "model_dtype": str(state.model.dtype).removeprefix("torch."),
+        "model_device_type": state.model.device.type,
+        "config": {
+            "vocab_size": config.vocab_size, "n_positions": config.n_positions, "n_embd": config.n_embd,
+            "n_layer": config.n_layer, "n_head": config.n_head, "n_inner": config.inner_dim,
+            "parameters": sum(p.numel() for p in state.model.parameters()),
+        },
+        "weights_origin": state.origin,
+        "max_input_tokens": limits.context_length - 1,
+        "max_total_tokens": limits.context_length,
+        "max_new_tokens": limits.max_new_tokens,
+        "max_batch_size": settings.max_batch_size,
+        "max_waiting_requests": settings.max_waiting,
+        "max_stop_sequences": limits.max_stop_sequences,
+        "max_best_of": limits.max_sequences,
+        "max_prompts_per_request": limits.max_prompts,
+        "max_body_bytes": settings.max_body_bytes,
+        "kv_cache": loop.kv_usage() if loop is not None else {"slots_used": 0, "slots_total": settings.max_batch_size},
+        "version": package_version(),
+    }
+
+
+@router.post("/tokenize", response_model=list[SimpleToken], summary="Tokenize text as the model sees it (TGI schema)")
+async def tokenize(body: TokenizeRequest, request: Request) -> list[dict]:
+    tokenizer = service_state(request).tokenizer
+    ids, offsets = await run_in_threadpool(tokenizer.encode_with_offsets, body.inputs)
+    return [{"id": t, "text": body.inputs[a:b], "start": a, "stop": b} for t, (a, b) in zip(ids, offsets)]
+
+
+@router.get("/metrics", summary="Prometheus metrics", response_class=Response)
+async def metrics(request: Request) -> Response:
+    return Response(service_state(request).metrics.expose(), media_type=CONTENT_TYPE_LATEST)
+
+
+def include_routes(app: FastAPI) -> None:
+    app.include_router(router)
+    app.include_router(routes_tgi.router)
+    app.include_router(routes_openai.router)
+    try:
+        from service.analysis_routes import router as analysis_router
+    except ImportError:  # engineer D's module, not written yet
+        return
+    app.include_router(analysis_router)

@@ -1,0 +1,34 @@
+"""Optional bearer-token auth: every route but the probes and the metrics scrape needs the key."""
+
+from __future__ import annotations
+
+import hmac
+
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from service.errors import error_response
+
+# Load balancers and Prometheus cannot be given a secret everywhere; these reveal nothing.
+OPEN_PATHS = frozenset({"/health", "/metrics"})
+
+
+class BearerAuthMiddleware:
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+            await self.app(scope, receive, send)
+            return
+        given = Headers(scope=scope).get("authorization", "").encode()
+        # Constant-time comparison: the key must not leak through response timing.
+        if not hmac.compare_digest(given, self.expected):
+            response = error_response(
+                401, "authentication", "missing or wrong bearer token (header `Authorization: Bearer <api_key>`)",
+                {"WWW-Authenticate": "Bearer"},
+            )
+            await response(scope, receive, send)
+            return
+        await self.app(scope, receive, send)

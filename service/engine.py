@@ -1,0 +1,375 @@
+"""The generation engine: one `step` = schedule → run → postprocess, as nano-vllm's LLMEngine.step.
+
+- schedule: the Scheduler admits waiting requests into free KV-cache slots and says who decodes;
+- run: one padded forward for the admitted prompts (prefill), one batched forward with one token
+  per running sequence (decode), then one sampling call over every row and one device→host copy;
+- postprocess: append tokens, release text through stop-string hold-back, check stop conditions,
+  free finished slots, report TokenEvents and FinishedRequests.
+
+No HTTP and no asyncio here: a test drives `step()` (or `generate()`) directly; service/loop.py
+runs it in a background thread for the server.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from model.beam import BeamParams, BeamSearch, reorder_beam_slots
+from model.gpt2 import GPT2
+from model.kv_cache import KVCache
+from model.sampling import choose_tokens, token_logprobs
+from service.requests import (
+    FinishedRequest,
+    FinishedSequence,
+    GenerationRequest,
+    RequestFailed,
+    StepStats,
+    TokenEvent,
+)
+from service.scheduler import RequestState, Scheduler, Sequence, StepPlan
+from service.slot_params import SlotParams
+from service.text_stream import TextStream
+from weights.tokenizer import GPT2Tokenizer
+
+log = logging.getLogger(__name__)
+
+# Spreads the seeds of a request's several sampled sequences (2^64 / golden ratio).
+SEED_STRIDE = 0x9E3779B97F4A7C15
+# Prompt log-probabilities go through the LM head this many positions at a time, so a long
+# prompt never materialises [prompt, vocab] logits at once.
+PROMPT_LOGPROB_CHUNK = 256
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_slots: int = 8  # sequences decoded together; KV-cache rows
+    max_len: int | None = None  # tokens per sequence (prompt + new); default: the model's context
+    max_waiting: int = 64  # requests queued beyond the running ones; more raise QueueFull
+    max_prefill_tokens: int = 4096  # padded prompt tokens per prefill forward (at least one submission)
+
+
+@dataclass
+class StepOutput:
+    events: list[TokenEvent]
+    finished: list[FinishedRequest]
+    stats: StepStats
+    failed: list[RequestFailed] = field(default_factory=list)
+
+
+@dataclass
+class SampledToken:
+    state: RequestState
+    seq: Sequence
+    token: int
+    logprob: float
+
+
+class Engine:
+    def __init__(
+        self,
+        model: GPT2,
+        tokenizer: GPT2Tokenizer,
+        config: EngineConfig = EngineConfig(),
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.config = config
+        self.device = model.device
+        self.clock = clock
+        max_len = config.max_len or model.config.n_positions
+        self.cache = KVCache(model.config, config.max_slots, max_len, self.device, model.dtype)
+        self.slot_params = SlotParams(config.max_slots, model.config.vocab_size, self.device)
+        self.scheduler = Scheduler(self.cache, config.max_waiting, config.max_prefill_tokens, self._start)
+
+    # --- the HTTP side's entry points (thread-safe) --------------------------------------------
+    def submit(self, requests: list[GenerationRequest]) -> None:
+        """Queue requests to be prefilled together. Raises ValueError, QueueFull, EngineStopped."""
+        self.scheduler.submit(requests)
+
+    def cancel(self, request_id: str) -> None:
+        self.scheduler.cancel(request_id)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def generate(self, requests: list[GenerationRequest]) -> list[FinishedRequest]:
+        """Run steps until these requests finish (tests, benchmarks; not with the loop running)."""
+        self.submit(requests)
+        results: dict[str, FinishedRequest] = {}
+        while len(results) < len(requests):
+            output = self.step()
+            if output.failed:
+                raise RuntimeError(output.failed[0].message)
+            results.update((f.request_id, f) for f in output.finished)
+        return [results[r.request_id] for r in requests]
+
+    # --- one step -------------------------------------------------------------------------------
+    def step(self) -> StepOutput:
+        started = self.clock()
+        plan = self.scheduler.schedule(started)
+        finished = [self._finish(state, started) for state in plan.cancelled]
+        active = plan.prefill + plan.decode
+        decode_tokens = sum(len(s.live) for s in plan.decode)
+        events: list[TokenEvent] = []
+        failed: list[RequestFailed] = []
+        batch_size = 0
+        if active:
+            try:
+                events, batch_size = self._run_and_postprocess(plan, finished)
+            except Exception as exc:  # e.g. out of device memory: fail these, keep serving
+                log.exception("engine step failed")
+                failed = [
+                    RequestFailed(state.request.request_id, f"engine step failed: {exc}")
+                    for state in self.scheduler.abort_running()
+                ]
+        stats = StepStats(
+            batch_size=batch_size,
+            prefill_tokens=sum(len(s.request.prompt_ids) for s in plan.prefill),
+            decode_tokens=decode_tokens,
+            running=len(self.scheduler.running),
+            waiting=self.scheduler.waiting_count,
+            kv_slots_used=self.cache.slots_used,
+            kv_slots_total=self.cache.max_slots,
+            step_seconds=self.clock() - started,
+            finished=len(finished),
+        )
+        return StepOutput(events, finished, stats, failed)
+
+    def _run_and_postprocess(
+        self, plan: StepPlan, finished: list[FinishedRequest]
+    ) -> tuple[list[TokenEvent], int]:
+        active = plan.prefill + plan.decode
+        with torch.inference_mode():
+            for src, dst, length in plan.moves:
+                self._move(src, dst, length)
+            logits, row_of = self._run(plan)
+            sampled = self._sample(logits, row_of, active)
+            for state in active:
+                if state.beam is not None:
+                    self._beam_step(state, logits, row_of)
+        now = self.clock()
+        events = [self._advance(s, now) for s in sampled]
+        for state in active:
+            if state.first_token_time is None:
+                state.first_token_time = now
+            if state.done:
+                finished.append(self._finish(state, now))
+        self.scheduler.drop_finished()
+        return events, len(row_of)
+
+    # --- admission ------------------------------------------------------------------------------
+    def _start(self, state: RequestState, slots: list[int]) -> list[Sequence]:
+        """Turn an admitted request's parameters into per-slot tensors and generators, once."""
+        params, prompt = state.params, state.request.prompt_ids
+        if params.do_sample:
+            state.seed = params.seed if params.seed is not None else secrets.randbits(63)
+        if params.num_beams > 1:
+            beam_params = BeamParams(
+                num_beams=params.num_beams,
+                length_penalty=params.length_penalty,
+                early_stopping=params.early_stopping,
+                num_return_sequences=params.num_return_sequences,
+                eos_token_id=None if params.ignore_eos else self.tokenizer.eos_token_id,
+                max_new_tokens=params.max_new_tokens,
+                repetition_penalty=params.repetition_penalty,
+            )
+            state.beam = BeamSearch(beam_params, prompt)
+        sequences = []
+        for index, slot in enumerate(slots):
+            generator = None
+            if params.do_sample:
+                generator = torch.Generator(device=self.device)
+                generator.manual_seed((state.seed + index * SEED_STRIDE) % 2**64)
+            if state.beam is None:
+                self.slot_params.write(slot, params, prompt)
+            text = TextStream(self.tokenizer, params.stop)
+            sequences.append(Sequence(index, slot, list(prompt), len(prompt), text, generator))
+        return sequences
+
+    def _move(self, src: int, dst: int, length: int) -> None:
+        if length:
+            self.cache.copy_slots([src], [dst], length)
+        self.slot_params.move(src, dst)
+
+    # --- run: forwards and sampling -------------------------------------------------------------
+    def _run(self, plan: StepPlan) -> tuple[torch.Tensor, dict[int, int]]:
+        """Logits [rows, V]: one row per admitted request, then one per decoding sequence.
+
+        row_of maps a sequence's slot to its row (all sequences of a request share its prefill row).
+        """
+        parts, row_of = [], {}
+        if plan.prefill:
+            parts.append(self._prefill(plan.prefill))
+            for row, state in enumerate(plan.prefill):
+                row_of.update((seq.slot, row) for seq in state.sequences)
+        decoding = sorted((seq for s in plan.decode for seq in s.live), key=lambda seq: seq.slot)
+        if decoding:
+            parts.append(self._decode(decoding))
+            row_of.update((seq.slot, len(plan.prefill) + row) for row, seq in enumerate(decoding))
+        return (torch.cat(parts) if len(parts) > 1 else parts[0]), row_of
+
+    def _prefill(self, states: list[RequestState]) -> torch.Tensor:
+        prompts = [state.request.prompt_ids for state in states]
+        longest = max(len(p) for p in prompts)
+        # Padding sits after each prompt, at positions no real token of that row attends to;
+        # its cache entries are overwritten by the row's own later tokens before they are read.
+        padded = [p + [self.tokenizer.eos_token_id] * (longest - len(p)) for p in prompts]
+        input_ids = torch.tensor(padded, device=self.device)  # [B, T]
+        positions = torch.arange(longest, device=self.device).expand(len(prompts), longest)  # [B, T]
+        last = torch.tensor([len(p) - 1 for p in prompts], device=self.device)  # [B]
+        want_prompt_logprobs = any(state.params.prompt_logprobs for state in states)
+        out = self.model(
+            input_ids,
+            positions,
+            self.cache,
+            self.cache.batch([state.sequences[0].slot for state in states]),
+            kv_length=longest,
+            logits_index=last,
+            output_hidden_states=want_prompt_logprobs,
+        )
+        # Several sampled sequences of one prompt: the prompt ran once, into the first slot.
+        copies = [
+            (state.sequences[0].slot, seq.slot)
+            for state in states
+            if state.beam is None
+            for seq in state.sequences[1:]
+        ]
+        if copies:
+            self.cache.copy_slots([s for s, _ in copies], [d for _, d in copies], longest)
+        for row, state in enumerate(states):
+            if state.params.prompt_logprobs:
+                state.prompt_logprobs = self._prompt_logprobs(out.hidden_states[-1][row], prompts[row])
+        return out.logits  # [B, V]
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, prompt: list[int]) -> list[float | None]:
+        """log p(prompt[i] | prompt[:i]) for i >= 1, from the prefill's last hidden states [T, C]."""
+        targets = torch.tensor(prompt[1:], device=self.device)  # [T-1]
+        chunks = []
+        for start in range(0, len(prompt) - 1, PROMPT_LOGPROB_CHUNK):
+            end = min(start + PROMPT_LOGPROB_CHUNK, len(prompt) - 1)
+            logits = self.model.lm_head(self.model.ln_f(hidden[start:end])).float()  # [n, V]
+            chunks.append(token_logprobs(logits, targets[start:end]))
+        found = torch.cat(chunks).tolist() if chunks else []
+        return [None] + found
+
+    def _decode(self, seqs: list[Sequence]) -> torch.Tensor:
+        input_ids = torch.tensor([[s.token_ids[-1]] for s in seqs], device=self.device)  # [B, 1]
+        positions = torch.tensor([[len(s.token_ids) - 1] for s in seqs], device=self.device)  # [B, 1]
+        # kv_length from Python ints: no device sync to find the longest row.
+        kv_length = max(len(s.token_ids) for s in seqs)
+        rows = self.cache.batch([s.slot for s in seqs])
+        out = self.model(input_ids, positions, self.cache, rows, kv_length=kv_length)
+        return out.logits[:, -1]  # [B, V]
+
+    def _sample(
+        self, logits: torch.Tensor, row_of: dict[int, int], active: list[RequestState]
+    ) -> list[SampledToken]:
+        pairs = [(state, seq) for state in active if state.beam is None for seq in state.live]
+        if not pairs:
+            return []
+        rows = torch.tensor([row_of[seq.slot] for _, seq in pairs], device=self.device)  # [B]
+        slots = torch.tensor([seq.slot for _, seq in pairs], device=self.device)  # [B]
+        params = self.slot_params.gather(slots, [state.params for state, _ in pairs])
+        seen = self.slot_params.seen(slots) if params.any_penalty else None
+        generators = [seq.generator for _, seq in pairs]
+        tokens, logprobs = choose_tokens(logits[rows], params, generators, seen)  # [B], [B]
+        if params.any_penalty:
+            self.slot_params.mark_seen(slots, tokens)
+        # The step's one device→host copy: tokens and their log-probs together (float64 holds
+        # every token id exactly).
+        host_tokens, host_logprobs = torch.stack([tokens.double(), logprobs.double()]).cpu().tolist()
+        return [
+            SampledToken(state, seq, int(token), logprob)
+            for (state, seq), token, logprob in zip(pairs, host_tokens, host_logprobs)
+        ]
+
+    def _beam_step(self, state: RequestState, logits: torch.Tensor, row_of: dict[int, int]) -> None:
+        beams = state.sequences
+        if state.first_token_time is None:
+            beam_logits = logits[row_of[beams[0].slot]][None]  # [1, V]: one prompt, one row
+        else:
+            rows = torch.tensor([row_of[b.slot] for b in beams], device=self.device)
+            beam_logits = logits[rows]  # [num_beams, V]
+        step = state.beam.step(beam_logits)
+        if step.done:
+            for beam in beams:
+                self.scheduler.release_sequence(beam, "length")  # reasons come from finish()
+            return
+        # Every beam has cached all of its tokens (the prompt, then each one fed since).
+        reorder_beam_slots(self.cache, [b.slot for b in beams], step.source_beams, len(beams[0].token_ids))
+        token_ids = [beams[src].token_ids + [token] for src, token in zip(step.source_beams, step.next_tokens)]
+        for beam, ids in zip(beams, token_ids):
+            beam.token_ids = ids
+
+    # --- postprocess ------------------------------------------------------------------------------
+    def _advance(self, sampled: SampledToken, now: float) -> TokenEvent:
+        state, seq, token = sampled.state, sampled.seq, sampled.token
+        seq.token_ids.append(token)
+        seq.logprobs.append(sampled.logprob)
+        seq.token_times.append(now)
+        text = seq.text.add(token)
+        params = state.params
+        if seq.text.stopped:
+            reason = "stop_sequence"
+        elif token == self.tokenizer.eos_token_id and not params.ignore_eos:
+            reason = "eos_token"
+        elif len(seq.token_ids) - seq.prompt_length >= params.max_new_tokens:
+            reason = "length"
+        else:
+            reason = None
+        if reason is not None:
+            text += seq.text.finish()
+            self.scheduler.release_sequence(seq, reason)
+        return TokenEvent(state.request.request_id, seq.index, token, text, sampled.logprob, now)
+
+    def _finish(self, state: RequestState, now: float) -> FinishedRequest:
+        request = state.request
+        self.scheduler.forget(request.request_id)
+        if state.beam is not None and state.beam.done:
+            sequences = [
+                FinishedSequence(
+                    token_ids=h.token_ids,
+                    text=self.tokenizer.decode(h.token_ids, skip_special_tokens=True),
+                    logprobs=h.token_logprobs,
+                    finish_reason=h.finish_reason,
+                    score=h.score,
+                )
+                for h in state.beam.finish()
+            ]
+        elif state.beam is not None or not state.sequences:
+            # Cancelled before it produced anything it could return.
+            sequences = [
+                FinishedSequence([], "", [], "cancelled")
+                for _ in range(state.params.num_return_sequences)
+            ]
+        else:
+            sequences = [
+                FinishedSequence(
+                    token_ids=seq.generated,
+                    text=seq.text.text,
+                    logprobs=seq.logprobs,
+                    finish_reason=seq.finish_reason,
+                    token_times=seq.token_times,
+                )
+                for seq in state.sequences
+            ]
+        arrival = request.arrival_time
+        return FinishedRequest(
+            request_id=request.request_id,
+            sequences=sequences,
+            prompt_tokens=len(request.prompt_ids),
+            seed=state.seed,
+            queue_seconds=(state.scheduled_time or now) - arrival,
+            first_token_seconds=(
+                state.first_token_time - arrival if state.first_token_time is not None else None
+            ),
+            total_seconds=now - arrival,
+            prompt_logprobs=state.prompt_logprobs,
+        )

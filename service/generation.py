@@ -1,0 +1,174 @@
+"""The HTTP side of a generation: submit to the engine loop, wait or stream, cancel on disconnect.
+
+Every FinishedRequest goes through `_finished` exactly once, so the token counters equal what
+the responses report, cancelled requests included (their queue is drained in the background).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from starlette.requests import Request
+
+from service.errors import ApiError, overloaded_error, validation_error
+from service.metrics import Metrics, set_outcome
+from service.requests import (
+    EngineStopped,
+    FinishedRequest,
+    GenerationRequest,
+    QueueFull,
+    RequestFailed,
+    TokenEvent,
+)
+
+Item = TokenEvent | FinishedRequest | RequestFailed
+
+
+@dataclass
+class Stream:
+    """One submitted request and the queue its results arrive on."""
+
+    request: GenerationRequest
+    queue: asyncio.Queue
+    finished: FinishedRequest | None = None
+    failed: bool = False
+
+
+@dataclass
+class Batch:
+    """The requests of one HTTP call, finished or cancelled together."""
+
+    streams: list[Stream]
+    closed: bool = False
+
+
+class Generations:
+    def __init__(self, loop, metrics: Metrics, retry_after_seconds: int) -> None:
+        self.loop = loop
+        self.metrics = metrics
+        self.retry_after_seconds = retry_after_seconds
+        self._drainers: set[asyncio.Task] = set()
+
+    # --- submission ---------------------------------------------------------------------------
+    def submit(self, requests: list[GenerationRequest]) -> Batch:
+        try:
+            queues = self.loop.submit(requests)
+        except QueueFull as exc:
+            raise overloaded_error(f"too many requests waiting ({exc}); retry later", self.retry_after_seconds)
+        except EngineStopped as exc:
+            raise ApiError(503, "overloaded", f"the server is shutting down: {exc}", {"Retry-After": "5"})
+        except ValueError as exc:
+            raise validation_error(str(exc))
+        return Batch([Stream(r, q) for r, q in zip(requests, queues)])
+
+    # --- whole answers ------------------------------------------------------------------------
+    async def complete(self, requests: list[GenerationRequest], http: Request) -> list[FinishedRequest] | None:
+        """Wait for every request of the call; None if the client left first (all cancelled)."""
+        batch = self.submit(requests)
+        waiting = asyncio.ensure_future(asyncio.gather(*(self._until_finished(s) for s in batch.streams)))
+        gone = asyncio.ensure_future(wait_for_disconnect(http))
+        try:
+            await asyncio.wait({waiting, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if waiting.done():
+                return waiting.result()  # raises the ApiError of a failed request
+            set_outcome(http, "cancelled")
+            return None
+        finally:
+            gone.cancel()
+            waiting.cancel()
+            self.close(batch)
+
+    async def _until_finished(self, stream: Stream) -> FinishedRequest:
+        while True:
+            item = await stream.queue.get()
+            if self._take(stream, item):
+                return stream.finished
+
+    # --- streaming --------------------------------------------------------------------------
+    async def events(self, batch: Batch, http: Request) -> AsyncIterator[tuple[int, list[Item]]]:
+        """(index of the request in the batch, items that arrived together), until all finish.
+
+        Items are yielded in arrival order; a request's last TokenEvent and its FinishedRequest
+        come out in the same list when the engine delivered them in the same step, so a stream
+        can put the final details on the last token, as TGI does.
+        """
+        pending: dict[asyncio.Future, int] = {}
+        try:
+            for index, stream in enumerate(batch.streams):
+                pending[asyncio.ensure_future(stream.queue.get())] = index
+            while pending:
+                done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for future in sorted(done, key=pending.__getitem__):
+                    index = pending.pop(future)
+                    stream = batch.streams[index]
+                    items = [future.result()] + drain_now(stream.queue)
+                    ended = [self._take(stream, item) for item in items]
+                    if not any(ended):
+                        pending[asyncio.ensure_future(stream.queue.get())] = index
+                    yield index, items
+        finally:
+            for future in pending:
+                future.cancel()
+            self.end(batch, http)
+
+    def end(self, batch: Batch, http: Request) -> None:
+        """A stream is over. Unfinished without an engine failure means the client left."""
+        if not batch.closed and any(s.finished is None for s in batch.streams):
+            if not any(s.failed for s in batch.streams):
+                set_outcome(http, "cancelled")
+        self.close(batch)
+
+    # --- bookkeeping --------------------------------------------------------------------------
+    def _take(self, stream: Stream, item: Item) -> bool:
+        """Record a finished request; True when the stream has ended."""
+        if isinstance(item, FinishedRequest):
+            stream.finished = item
+            self._finished(item)
+            return True
+        if isinstance(item, RequestFailed):
+            stream.failed = True
+            raise ApiError(500, "generation", f"generation failed: {item.message}")
+        return False
+
+    def close(self, batch: Batch) -> None:
+        """The call is over: cancel what has not finished (the client left, or an error).
+
+        Idempotent: the streaming response calls it again when it ends, in case the event
+        generator never started. Cancelled requests are still counted when they finish.
+        """
+        if batch.closed:
+            return
+        batch.closed = True
+        for stream in [s for s in batch.streams if s.finished is None]:
+            self.loop.cancel(stream.request.request_id)
+            task = asyncio.get_running_loop().create_task(self._until_finished(stream))
+            self._drainers.add(task)
+            task.add_done_callback(self._drainers.discard)
+
+    def _finished(self, result: FinishedRequest) -> None:
+        m = self.metrics
+        m.queue_duration.observe(result.queue_seconds)
+        if result.first_token_seconds is not None:
+            m.time_to_first_token.observe(result.first_token_seconds)
+        m.prompt_tokens.inc(result.prompt_tokens)
+        m.generated_tokens.inc(result.generated_tokens)
+        for seq in result.sequences:
+            for before, after in zip(seq.token_times, seq.token_times[1:]):
+                m.inter_token_latency.observe(after - before)
+
+
+def drain_now(queue: asyncio.Queue) -> list:
+    items = []
+    while not queue.empty():
+        items.append(queue.get_nowait())
+    return items
+
+
+async def wait_for_disconnect(http: Request) -> None:
+    """Returns when the client closes the connection (the body has already been read)."""
+    while True:
+        message = await http.receive()
+        if message["type"] == "http.disconnect":
+            return

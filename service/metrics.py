@@ -1,0 +1,163 @@
+"""Every Prometheus metric the service exports, defined once, in a registry owned by one app.
+
+The names are a contract with the deployment (Grafana dashboard, HPA rule): change them there too.
+A registry per app, not prometheus_client's global one, so tests can build several apps.
+
+Other modules record through a `Metrics` instance (`request.app.state.service.metrics`):
+    metrics.analysis_duration.observe(seconds)        # /analyze/spectrum, one per request
+Requests are counted by `RequestMetricsMiddleware` from the route and the response status;
+a handler refines the outcome with `set_outcome(request, "cancelled")`.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Literal
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+from prometheus_client.exposition import generate_latest
+from starlette.requests import Request
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from service.requests import StepStats
+
+Outcome = Literal["success", "validation", "overloaded", "cancelled", "error"]
+OUTCOMES: tuple[Outcome, ...] = ("success", "validation", "overloaded", "cancelled", "error")
+
+# Bounded sets of buckets: latencies from a token on a fast GPU (ms) to a long CPU request (min).
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+
+# Routes that are not work for the model: scraping and probes would drown the request rate.
+UNCOUNTED_PATHS = frozenset({"/metrics", "/health", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
+OUTCOME_SCOPE_KEY = "gpt2.outcome"
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        # prometheus_client appends _total to counters and _info to Info on exposition.
+        self.requests = Counter(
+            "gpt2_requests", "HTTP requests by route and outcome", ["endpoint", "outcome"], registry=r
+        )
+        self.request_duration = Histogram(
+            "gpt2_request_duration_seconds",
+            "Arrival to last byte of the response (whole stream for streaming routes)",
+            ["endpoint"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.time_to_first_token = Histogram(
+            "gpt2_time_to_first_token_seconds", "Arrival to first generated token", buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.inter_token_latency = Histogram(
+            "gpt2_inter_token_latency_seconds",
+            "Time between consecutive tokens of one sequence",
+            buckets=TOKEN_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.queue_duration = Histogram(
+            "gpt2_queue_duration_seconds", "Arrival to first scheduled step", buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.prompt_tokens = Counter("gpt2_prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.generated_tokens = Counter(
+            "gpt2_generated_tokens", "Tokens generated, over all returned sequences", registry=r
+        )
+        self.requests_running = Gauge("gpt2_requests_running", "Sequences in the running batch", registry=r)
+        self.requests_waiting = Gauge("gpt2_requests_waiting", "Requests queued for a free slot", registry=r)
+        self.batch_size = Histogram(
+            "gpt2_batch_size", "Sequences per engine step", buckets=BATCH_BUCKETS, registry=r
+        )
+        self.kv_cache_usage = Gauge("gpt2_kv_cache_usage_ratio", "Fraction of KV-cache slots in use", registry=r)
+        self.analysis_duration = Histogram(
+            "gpt2_analysis_duration_seconds", "Time to analyse one /analyze/spectrum request", buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.model_info = Info("gpt2_model", "The model being served", registry=r)
+
+    def declare_endpoints(self, paths: list[str]) -> None:
+        """Create every (endpoint, outcome) series at 0, so rates and dashboards see them before the
+        first request, and a restart is not mistaken for a missing series."""
+        for path in paths:
+            if path in UNCOUNTED_PATHS:
+                continue
+            self.request_duration.labels(endpoint=path)
+            for outcome in OUTCOMES:
+                self.requests.labels(endpoint=path, outcome=outcome)
+
+    def describe_model(self, **labels: str) -> None:
+        self.model_info.info({k: str(v) for k, v in labels.items()})
+
+    def observe_step(self, stats: StepStats) -> None:
+        """The engine loop's per-step callback (called from the engine thread; the client is thread-safe)."""
+        if stats.batch_size:
+            self.batch_size.observe(stats.batch_size)
+        self.requests_running.set(stats.running)
+        self.requests_waiting.set(stats.waiting)
+        self.kv_cache_usage.set(stats.kv_usage_ratio)
+
+    def count_request(self, endpoint: str, outcome: Outcome, seconds: float) -> None:
+        self.requests.labels(endpoint=endpoint, outcome=outcome).inc()
+        self.request_duration.labels(endpoint=endpoint).observe(seconds)
+
+    def expose(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+def set_outcome(request: Request, outcome: Outcome) -> None:
+    """Override the status-derived outcome, e.g. a stream that ended because the client left."""
+    request.scope[OUTCOME_SCOPE_KEY] = outcome
+
+
+def outcome_for_status(status: int) -> Outcome:
+    if status < 400:
+        return "success"
+    if status == 429 or status == 503:
+        return "overloaded"
+    if status < 500:
+        return "validation"
+    return "error"
+
+
+class RequestMetricsMiddleware:
+    """Counts every routed request once, with its duration, after the last byte is sent.
+
+    Pure ASGI (not BaseHTTPMiddleware) so streaming responses pass through untouched and the
+    duration covers the whole stream.
+    """
+
+    def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start = time.monotonic()
+        status = 500
+
+        async def send_and_watch(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_watch)
+        except BaseException:
+            status = 500
+            raise
+        finally:
+            endpoint = _route_path(scope)
+            if endpoint is not None and endpoint not in UNCOUNTED_PATHS:
+                outcome = scope.get(OUTCOME_SCOPE_KEY) or outcome_for_status(status)
+                self.metrics.count_request(endpoint, outcome, time.monotonic() - start)
+
+
+def _route_path(scope: Scope) -> str | None:
+    # The route template, never the raw path: unmatched paths (404 probes) would make the label
+    # set unbounded.
+    route = scope.get("route")
+    return getattr(route, "path", None)

@@ -1,0 +1,208 @@
+"""OpenAI's legacy completions API: POST /v1/completions (with stream), GET /v1/models.
+
+The official `openai` client works unchanged (base_url=http://host:port/v1). Choice i*n + j is
+the j-th completion of prompt i, as OpenAI numbers them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.concurrency import run_in_threadpool
+
+from service.admission import (
+    Prompt,
+    check_count,
+    check_lengths,
+    generation_requests,
+    new_request_id,
+    openai_sampling,
+    prompts_from_ids,
+    tokenize_texts,
+)
+from service.errors import ApiError, error_body, validation_error
+from service.generation import Batch
+from service.metrics import set_outcome
+from service.requests import FinishedRequest, FinishedSequence, GenerationRequest, TokenEvent
+from service.routes_tgi import CLIENT_GONE, ERRORS
+from service.schemas import CompletionRequest, CompletionResponse, ModelList
+from service.sse import DONE, EventStream, sse
+from service.state import ServiceState, service_state
+from weights.tokenizer import GPT2Tokenizer
+
+router = APIRouter(prefix="/v1", tags=["OpenAI"])
+
+
+@router.get("/models", response_model=ModelList, summary="The one model served")
+async def list_models(request: Request) -> dict:
+    state = service_state(request)
+    card = {"id": state.settings.model_name, "object": "model", "created": int(state.started_at), "owned_by": "gpt2-serve"}
+    return {"object": "list", "data": [card]}
+
+
+@router.post(
+    "/completions",
+    response_model=CompletionResponse,
+    responses={200: {"content": {"text/event-stream": {}}}, **ERRORS},
+    summary="Complete prompts (OpenAI completions schema); stream=true for server-sent events",
+)
+async def completions(body: CompletionRequest, request: Request) -> Response:
+    state = service_state(request)
+    call = await admit(state, body)
+    if body.stream:
+        batch = state.generations.submit(call.requests)
+        return EventStream(stream_chunks(state, call, batch, request), on_close=lambda: state.generations.end(batch, request))
+    results = await state.generations.complete(call.requests, request)
+    if results is None:
+        return Response(status_code=CLIENT_GONE)
+    return JSONResponse(completion_body(call, results, state.tokenizer))
+
+
+class Call:
+    """One /v1/completions call: its prompts, engine requests and how they map to choices."""
+
+    def __init__(self, body: CompletionRequest, prompts: list[Prompt], requests: list[GenerationRequest], model: str):
+        self.body = body
+        self.prompts = prompts
+        self.requests = requests
+        self.model = model
+        self.id = new_request_id("cmpl")
+        self.created = int(time.time())
+        # Greedy n > 1 submits each prompt n times; sampling submits it once with n sequences.
+        self.copies = len(requests) // len(prompts)
+
+    def prompt_of(self, request_index: int) -> Prompt:
+        return self.prompts[request_index // self.copies]
+
+    def choice_index(self, request_index: int, sequence_index: int) -> int:
+        return request_index * (self.body.n // self.copies) + sequence_index
+
+    def chunk(self, choices: list[dict], usage: dict | None = None) -> dict:
+        out = {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model, "choices": choices}
+        if usage is not None:
+            out["usage"] = usage
+        return out
+
+
+async def admit(state: ServiceState, body: CompletionRequest) -> Call:
+    limits = state.limits
+    if body.model != state.settings.model_name:
+        raise validation_error(f"model {body.model!r} is not served here; this server serves {state.settings.model_name!r}")
+    params = openai_sampling(body, limits)
+    entries = body.prompt_list
+    check_count("the number of prompts", len(entries), limits.max_prompts)
+    texts = [e for e in entries if isinstance(e, str)]
+    if texts and len(texts) != len(entries):
+        raise validation_error("prompt must be all strings or all token-id lists")
+    if texts:
+        prompts = await run_in_threadpool(tokenize_texts, state.tokenizer, texts)
+    else:
+        prompts = prompts_from_ids(state.tokenizer, entries, limits)
+    check_lengths(prompts, params.max_new_tokens, limits)
+    copies = body.n if params.num_return_sequences == 1 else 1
+    check_count("prompts × n", len(prompts) * body.n, limits.max_prompts * limits.max_sequences)
+    requests = generation_requests([p for p in prompts for _ in range(copies)], params, "cmpl")
+    return Call(body, prompts, requests, state.settings.model_name)
+
+
+# --- whole answers -------------------------------------------------------------------------------
+
+
+def completion_body(call: Call, results: list[FinishedRequest], tokenizer: GPT2Tokenizer) -> dict:
+    body, choices = call.body, []
+    for request_index, result in enumerate(results):
+        prompt = call.prompt_of(request_index)
+        sequences = result.sequences
+        if len(sequences) > body.n:
+            # best_of: keep the n with the highest mean log-probability per token, as OpenAI.
+            sequences = sorted(sequences, key=mean_logprob, reverse=True)[: body.n]
+        for sequence_index, seq in enumerate(sequences):
+            choices.append(choice(call, request_index, sequence_index, prompt, result, seq, tokenizer))
+    completion_tokens = sum(r.generated_tokens for r in results)
+    prompt_tokens = sum(len(p.ids) for p in call.prompts)
+    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
+    return call.chunk(sorted(choices, key=lambda c: c["index"]), usage)
+
+
+def choice(
+    call: Call, request_index: int, sequence_index: int, prompt: Prompt, result: FinishedRequest,
+    seq: FinishedSequence, tokenizer: GPT2Tokenizer,
+) -> dict:
+    body = call.body
+    text = (prompt.text if body.echo else "") + seq.text
+    logprobs = None
+    if body.logprobs is not None:
+        ids, lps, start = list(seq.token_ids), list(seq.logprobs), 0
+        if body.echo:
+            ids = prompt.ids + ids
+            lps = list(result.prompt_logprobs or [None] * len(prompt.ids)) + lps
+        logprobs = token_logprobs(ids, lps, start, tokenizer)
+    return {
+        "index": call.choice_index(request_index, sequence_index),
+        "text": text,
+        "logprobs": logprobs,
+        "finish_reason": openai_finish_reason(seq.finish_reason),
+    }
+
+
+def token_logprobs(ids: list[int], lps: list[float | None], offset: int, tokenizer: GPT2Tokenizer) -> dict:
+    tokens = [tokenizer.decode([t]) for t in ids]
+    offsets = []
+    for token in tokens:
+        offsets.append(offset)
+        offset += len(token)
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": None, "text_offset": offsets}
+
+
+def mean_logprob(seq: FinishedSequence) -> float:
+    return sum(seq.logprobs) / max(len(seq.logprobs), 1)
+
+
+def openai_finish_reason(reason: str) -> str:
+    return "length" if reason in ("length", "cancelled") else "stop"
+
+
+# --- streaming -----------------------------------------------------------------------------------
+
+
+async def stream_chunks(state: ServiceState, call: Call, batch: Batch, request: Request) -> AsyncIterator[bytes]:
+    body, tokenizer = call.body, state.tokenizer
+    offsets: dict[int, int] = {}  # choice index → characters sent so far (text_offset)
+    generated = 0
+    try:
+        if body.echo:
+            for request_index in range(len(call.requests)):
+                prompt = call.prompt_of(request_index)
+                for sequence_index in range(body.n // call.copies):
+                    index = call.choice_index(request_index, sequence_index)
+                    offsets[index] = len(prompt.text)
+                    yield sse(call.chunk([{"index": index, "text": prompt.text, "logprobs": None, "finish_reason": None}]))
+        async for request_index, items in state.generations.events(batch, request):
+            for item in items:
+                if isinstance(item, TokenEvent):
+                    index = call.choice_index(request_index, item.sequence_index)
+                    start = offsets.get(index, 0)
+                    offsets[index] = start + len(item.text)
+                    logprobs = None
+                    if body.logprobs is not None:
+                        logprobs = token_logprobs([item.token_id], [item.logprob], start, tokenizer)
+                    yield sse(call.chunk([{"index": index, "text": item.text, "logprobs": logprobs, "finish_reason": None}]))
+                elif isinstance(item, FinishedRequest):
+                    generated += item.generated_tokens
+                    finals = [
+                        {"index": call.choice_index(request_index, j), "text": "", "logprobs": None,
+                         "finish_reason": openai_finish_reason(seq.finish_reason)}
+                        for j, seq in enumerate(item.sequences)
+                    ]
+                    yield sse(call.chunk(finals))
+        if body.stream_options is not None and body.stream_options.include_usage:
+            prompt_tokens = sum(len(p.ids) for p in call.prompts)
+            usage = {"prompt_tokens": prompt_tokens, "completion_tokens": generated, "total_tokens": prompt_tokens + generated}
+            yield sse(call.chunk([], usage))
+        yield DONE
+    except ApiError as exc:
+        set_outcome(request, "error")
+        yield sse(error_body(exc.error_type, exc.message))

@@ -1,0 +1,192 @@
+"""Hugging Face TGI's routes: POST /generate, /generate_stream and / (either, by "stream").
+
+Its clients (huggingface_hub.InferenceClient.text_generation, text-generation) work unchanged.
+Differences from TGI: generated_text never contains the stop string (as OpenAI's API), and
+`inputs` may also be a list of prompts, generated together and answered as a list.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.concurrency import run_in_threadpool
+
+from service.admission import Prompt, check_count, check_lengths, generation_requests, tgi_sampling, tokenize_texts
+from service.errors import ApiError, error_body, validation_error
+from service.generation import Batch
+from service.metrics import set_outcome
+from service.requests import FinishedRequest, FinishedSequence, GenerationRequest, TokenEvent
+from service.schemas import GenerateResponse, TGIParameters, TGIRequest
+from service.sse import EventStream, sse
+from service.state import ServiceState, service_state
+from weights.tokenizer import GPT2Tokenizer
+
+router = APIRouter(tags=["TGI"])
+
+ERRORS = {
+    422: {"description": "invalid input: {error, error_type: validation}"},
+    429: {"description": "queue full: {error, error_type: overloaded}, Retry-After"},
+}
+CLIENT_GONE = 499  # nginx's code for "client closed the request": never seen by the client
+
+
+@router.post(
+    "/generate",
+    response_model=GenerateResponse | list[GenerateResponse] | list[GenerateResponse | list[GenerateResponse]],
+    responses=ERRORS,
+    summary="Generate text (TGI schema); a list of inputs is answered as a list",
+)
+async def generate(body: TGIRequest, request: Request) -> Response:
+    state = service_state(request)
+    prompts, requests = await admit(state, body)
+    results = await state.generations.complete(requests, request)
+    if results is None:
+        return Response(status_code=CLIENT_GONE)
+    outputs = [tgi_output(p, r, body.parameters, state.tokenizer) for p, r in zip(prompts, results)]
+    return JSONResponse(outputs[0] if isinstance(body.inputs, str) else outputs)
+
+
+@router.post(
+    "/generate_stream",
+    response_class=EventStream,
+    responses={200: {"content": {"text/event-stream": {}}, "description": "one event per token"}, **ERRORS},
+    summary="Generate text as server-sent events, one per token (TGI schema)",
+)
+async def generate_stream(body: TGIRequest, request: Request) -> Response:
+    state = service_state(request)
+    check_streamable(body)
+    prompts, requests = await admit(state, body)
+    batch = state.generations.submit(requests)
+    return EventStream(
+        tgi_events(state, batch, prompts[0], body.parameters, request),
+        on_close=lambda: state.generations.end(batch, request),
+    )
+
+
+@router.post("/", responses=ERRORS, summary="TGI's compatibility route: /generate or, with stream=true, /generate_stream")
+async def compat_generate(body: TGIRequest, request: Request) -> Response:
+    if body.stream:
+        return await generate_stream(body, request)
+    return await generate(body, request)
+
+
+async def admit(state: ServiceState, body: TGIRequest) -> tuple[list[Prompt], list[GenerationRequest]]:
+    limits = state.limits
+    params = tgi_sampling(body.parameters, limits)
+    check_count("the number of prompts in inputs", len(body.prompts), limits.max_prompts)
+    # Tokenizing a long prompt takes milliseconds: off the event loop.
+    prompts = await run_in_threadpool(tokenize_texts, state.tokenizer, body.prompts, body.parameters.truncate)
+    check_lengths(prompts, params.max_new_tokens, limits)
+    return prompts, generation_requests(prompts, params, "tgi")
+
+
+def check_streamable(body: TGIRequest) -> None:
+    p = body.parameters
+    if not isinstance(body.inputs, str):
+        raise validation_error("streaming takes one prompt: `inputs` must be a string")
+    if (p.best_of or 1) > 1:
+        raise validation_error("best_of > 1 is not supported when streaming tokens")
+    if p.decoder_input_details:
+        raise validation_error("decoder_input_details is not supported when streaming tokens")
+    if p.num_beams > 1:
+        raise validation_error("beam search cannot be streamed: the best beam is known only at the end")
+    if p.num_return_sequences > 1:
+        raise validation_error("num_return_sequences > 1 cannot be streamed here; use /v1/completions with n")
+
+
+# --- response bodies ---------------------------------------------------------------------------
+
+
+def tgi_output(prompt: Prompt, result: FinishedRequest, p: TGIParameters, tokenizer: GPT2Tokenizer) -> dict | list:
+    prefill = prefill_tokens(prompt.ids, result.prompt_logprobs, tokenizer) if p.decoder_input_details else []
+
+    def one(seq: FinishedSequence) -> dict:
+        out = {"generated_text": (prompt.text if p.return_full_text else "") + seq.text}
+        if p.details:
+            out["details"] = {
+                "finish_reason": seq.finish_reason,
+                "generated_tokens": len(seq.token_ids),
+                "seed": result.seed,
+                "prefill": prefill,
+                "tokens": token_details(seq, tokenizer),
+            }
+        return out
+
+    sequences = result.sequences
+    if (p.best_of or 1) > 1:
+        # TGI's best_of: the candidate with the highest total log-probability; the others
+        # go in details.best_of_sequences.
+        ranked = sorted(sequences, key=lambda s: sum(s.logprobs), reverse=True)
+        best = one(ranked[0])
+        if p.details:
+            best["details"]["best_of_sequences"] = [{**one(s)["details"], "generated_text": one(s)["generated_text"]} for s in ranked[1:]]
+        return best
+    if len(sequences) == 1:
+        return one(sequences[0])
+    return [one(s) for s in sequences]
+
+
+def prefill_tokens(ids: list[int], logprobs: list[float | None] | None, tokenizer: GPT2Tokenizer) -> list[dict]:
+    logprobs = logprobs or [None] * len(ids)
+    return [{"id": t, "text": tokenizer.decode([t]), "logprob": lp} for t, lp in zip(ids, logprobs)]
+
+
+def token_details(seq: FinishedSequence, tokenizer: GPT2Tokenizer) -> list[dict]:
+    return [
+        {"id": t, "text": tokenizer.decode([t]), "logprob": lp, "special": tokenizer.is_special(t)}
+        for t, lp in zip(seq.token_ids, seq.logprobs)
+    ]
+
+
+# --- streaming -----------------------------------------------------------------------------------
+
+
+async def tgi_events(
+    state: ServiceState, batch: Batch, prompt: Prompt, p: TGIParameters, request: Request
+) -> AsyncIterator[bytes]:
+    """TGI's stream: one event per token; the last also carries generated_text (and details)."""
+    tokenizer = state.tokenizer
+    index = 0
+    try:
+        async for _, items in state.generations.events(batch, request):
+            tokens = [i for i in items if isinstance(i, TokenEvent)]
+            finished = next((i for i in items if isinstance(i, FinishedRequest)), None)
+            for position, event in enumerate(tokens):
+                index += 1
+                last = finished is not None and position == len(tokens) - 1
+                payload = stream_token(event.token_id, event.text, event.logprob, index, tokenizer)
+                if last:
+                    payload.update(stream_end(finished, prompt, p))
+                yield sse(payload)
+            if finished is not None and not tokens:
+                # Finished without a token in this delivery (it was the engine's choice to end):
+                # TGI's last event still needs a token to hang the details on.
+                seq = finished.sequences[0]
+                token_id = seq.token_ids[-1] if seq.token_ids else tokenizer.eos_token_id
+                payload = stream_token(token_id, "", seq.logprobs[-1] if seq.logprobs else 0.0, index, tokenizer)
+                payload.update(stream_end(finished, prompt, p))
+                yield sse(payload)
+    except ApiError as exc:
+        # The 200 and earlier tokens are already sent: the error travels as TGI sends it, as an event.
+        set_outcome(request, "error")
+        yield sse(error_body(exc.error_type, exc.message))
+
+
+def stream_token(token_id: int, text: str, logprob: float, index: int, tokenizer: GPT2Tokenizer) -> dict:
+    token = {"id": token_id, "text": text, "logprob": logprob, "special": tokenizer.is_special(token_id)}
+    return {"index": index, "token": token, "generated_text": None, "details": None}
+
+
+def stream_end(result: FinishedRequest, prompt: Prompt, p: TGIParameters) -> dict:
+    seq = result.sequences[0]
+    end = {"generated_text": (prompt.text if p.return_full_text else "") + seq.text, "details": None}
+    if p.details:
+        end["details"] = {
+            "finish_reason": seq.finish_reason,
+            "generated_tokens": len(seq.token_ids),
+            "input_length": result.prompt_tokens,
+            "seed": result.seed,
+        }
+    return end

@@ -1,0 +1,344 @@
+"""Request and response bodies: TGI's /generate family, OpenAI's /v1/completions, /tokenize, /info.
+
+Every request field has bounds here. Limits that depend on the deployment (settings) or on the
+prompt's token count are checked at admission (service/admission.py), where both are known.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+# Static ceilings: generous, only there so no field is unbounded. The configured limits
+# (Settings) are tighter and checked at admission.
+MAX_TEXT_CHARS = 1_000_000
+MAX_LIST = 1024
+MAX_TOKEN_ID = 2**31 - 1
+MAX_SEED = 2**64 - 1
+MAX_STOP_CHARS = 4096
+
+
+class _Unsupported(BaseModel):
+    """Unknown keys are tolerated when null (clients send every key they know), refused otherwise."""
+
+    model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="after")
+    def _refuse_unknown(self) -> "_Unsupported":
+        unknown = sorted(k for k, v in (self.model_extra or {}).items() if v is not None)
+        if unknown:
+            raise ValueError(f"unsupported parameter(s): {', '.join(unknown)}")
+        return self
+
+
+# ---------------------------------------------------------------------------------------------
+# TGI: POST /generate, /generate_stream, /
+# ---------------------------------------------------------------------------------------------
+
+
+class TGIParameters(_Unsupported):
+    best_of: int | None = Field(None, ge=1, le=64, description="sample this many, return the most likely")
+    decoder_input_details: bool = Field(False, description="return the prompt tokens with their logprobs")
+    details: bool = Field(False, description="return tokens, logprobs and the finish reason")
+    do_sample: bool = False
+    max_new_tokens: int | None = Field(None, ge=1, le=1_000_000)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=100.0)
+    return_full_text: bool | None = Field(None, description="prepend the prompt to generated_text")
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    stop: list[str] = Field(default_factory=list, max_length=64)
+    temperature: float | None = Field(None, gt=0.0, le=100.0)
+    top_k: int | None = Field(None, gt=0, le=1_000_000)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    truncate: int | None = Field(None, ge=1, le=1_000_000, description="keep only the last N prompt tokens")
+    # Known to TGI but not computed here: accepted only at their neutral value.
+    typical_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_n_tokens: int | None = Field(None, ge=0, le=64)
+    watermark: bool = False
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    grammar: dict | None = None
+    adapter_id: str | None = Field(None, max_length=200)
+    # Extensions beyond TGI, with transformers' meanings.
+    num_beams: int = Field(1, ge=1, le=64)
+    length_penalty: float = Field(1.0, ge=-100.0, le=100.0)
+    early_stopping: bool | Literal["never"] = False
+    num_return_sequences: int = Field(1, ge=1, le=64)
+    ignore_eos: bool = False
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "TGIParameters":
+        for name, neutral in (("typical_p", (None, 1.0)), ("top_n_tokens", (None, 0)),
+                              ("watermark", (False,)), ("frequency_penalty", (None, 0.0)),
+                              ("grammar", (None,)), ("adapter_id", (None,))):
+            if getattr(self, name) not in neutral:
+                raise ValueError(f"{name} is not supported by this server")
+        if self.stop and any(not s for s in self.stop):
+            raise ValueError("stop strings must not be empty")
+        if any(len(s) > MAX_STOP_CHARS for s in self.stop):
+            raise ValueError(f"stop strings must be at most {MAX_STOP_CHARS} characters")
+        if self.num_beams > 1 and self.samples:
+            raise ValueError(
+                "beam search (num_beams > 1) cannot be combined with sampling (do_sample, temperature,"
+                " top_k or top_p); choose one"
+            )
+        if self.num_beams > 1 and self.num_return_sequences > self.num_beams:
+            raise ValueError(
+                f"num_return_sequences ({self.num_return_sequences}) cannot exceed num_beams ({self.num_beams})"
+            )
+        if self.num_beams == 1 and not self.samples and self.num_return_sequences > 1:
+            raise ValueError("num_return_sequences > 1 needs sampling or beam search: greedy gives one answer")
+        if (self.best_of or 1) > 1:
+            if not self.samples:
+                raise ValueError("best_of > 1 needs sampling (do_sample=true)")
+            if self.num_beams > 1 or self.num_return_sequences > 1:
+                raise ValueError("best_of cannot be combined with num_beams or num_return_sequences")
+        return self
+
+    @property
+    def samples(self) -> bool:
+        # As TGI: setting a sampling warper turns sampling on.
+        return (
+            self.do_sample
+            or (self.temperature is not None and self.temperature != 1.0)
+            or (self.top_k is not None)
+            or (self.top_p is not None and self.top_p < 1.0)
+        )
+
+
+class TGIRequest(BaseModel):
+    inputs: str | list[str] = Field(
+        ..., description="a prompt, or a list of prompts generated together and answered as a list"
+    )
+    parameters: TGIParameters = Field(default_factory=TGIParameters)
+    stream: bool = Field(False, description="POST / only: answer as /generate_stream")
+
+    @model_validator(mode="after")
+    def _bounded_inputs(self) -> "TGIRequest":
+        prompts = self.prompts
+        if not prompts:
+            raise ValueError("inputs is an empty list")
+        if len(prompts) > MAX_LIST:
+            raise ValueError(f"inputs has {len(prompts)} prompts; at most {MAX_LIST}")
+        for prompt in prompts:
+            if not prompt:
+                raise ValueError("inputs must not be empty")
+            if len(prompt) > MAX_TEXT_CHARS:
+                raise ValueError(f"a prompt is longer than {MAX_TEXT_CHARS} characters")
+        return self
+
+    @property
+    def prompts(self) -> list[str]:
+        return [self.inputs] if isinstance(self.inputs, str) else list(self.inputs)
+
+
+class PrefillToken(BaseModel):
+    id: int
+    text: str
+    logprob: float | None
+
+
+class Token(BaseModel):
+    id: int
+    text: str
+    logprob: float
+    special: bool
+
+
+TGIFinishReason = Literal["length", "eos_token", "stop_sequence"]
+
+
+class BestOfSequence(BaseModel):
+    generated_text: str
+    finish_reason: TGIFinishReason
+    generated_tokens: int
+    seed: int | None
+    prefill: list[PrefillToken]
+    tokens: list[Token]
+
+
+class Details(BaseModel):
+    finish_reason: TGIFinishReason
+    generated_tokens: int
+    seed: int | None
+    prefill: list[PrefillToken]
+    tokens: list[Token]
+    best_of_sequences: list[BestOfSequence] | None = None
+
+
+class GenerateResponse(BaseModel):
+    generated_text: str
+    details: Details | None = None
+
+
+class StreamDetails(BaseModel):
+    finish_reason: TGIFinishReason
+    generated_tokens: int
+    input_length: int
+    seed: int | None
+
+
+class StreamResponse(BaseModel):
+    index: int
+    token: Token
+    generated_text: str | None = None
+    details: StreamDetails | None = None
+
+
+# ---------------------------------------------------------------------------------------------
+# OpenAI: POST /v1/completions, GET /v1/models
+# ---------------------------------------------------------------------------------------------
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class CompletionRequest(_Unsupported):
+    model: str = Field(..., max_length=200)
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(..., description="text(s) or token ids")
+    max_tokens: int | None = Field(16, ge=1, le=1_000_000)
+    temperature: float = Field(1.0, ge=0.0, le=2.0, description="0: greedy")
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    n: int = Field(1, ge=1, le=64)
+    best_of: int | None = Field(None, ge=1, le=64)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    logprobs: int | None = Field(None, ge=0, le=5)
+    echo: bool = False
+    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
+    suffix: str | None = Field(None, max_length=MAX_TEXT_CHARS)
+    user: str | None = Field(None, max_length=1000)
+    # Extensions (as vLLM names them), with transformers' meanings.
+    top_k: int = Field(0, ge=0, le=1_000_000, description="0: off")
+    repetition_penalty: float = Field(1.0, gt=0.0, le=100.0)
+    ignore_eos: bool = False
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "CompletionRequest":
+        if self.logprobs:
+            raise ValueError("logprobs > 0 (top alternatives) is not supported; logprobs=0 gives the chosen tokens'")
+        if self.presence_penalty or self.frequency_penalty:
+            raise ValueError("presence_penalty and frequency_penalty are not supported; use repetition_penalty")
+        if self.logit_bias:
+            raise ValueError("logit_bias is not supported")
+        if self.suffix:
+            raise ValueError("suffix is not supported: GPT-2 cannot fill in the middle")
+        stops = self.stop_list
+        if len(stops) > 64 or any(not s or len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"stop: at most 64 strings of 1 to {MAX_STOP_CHARS} characters")
+        if self.best_of is not None and self.best_of < self.n:
+            raise ValueError(f"best_of ({self.best_of}) must be at least n ({self.n})")
+        if self.stream and (self.best_of or self.n) > self.n:
+            raise ValueError("best_of > n cannot be streamed")
+        prompts = self.prompt_list
+        if not prompts:
+            raise ValueError("prompt is an empty list")
+        if len(prompts) > MAX_LIST:
+            raise ValueError(f"prompt has {len(prompts)} entries; at most {MAX_LIST}")
+        for p in prompts:
+            if not p:
+                raise ValueError("prompt must not be empty")
+            if isinstance(p, str) and len(p) > MAX_TEXT_CHARS:
+                raise ValueError(f"a prompt is longer than {MAX_TEXT_CHARS} characters")
+            if isinstance(p, list) and (len(p) > MAX_TEXT_CHARS or any(not 0 <= t <= MAX_TOKEN_ID for t in p)):
+                raise ValueError("token ids must be non-negative")
+        return self
+
+    @property
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    @property
+    def prompt_list(self) -> list[str | list[int]]:
+        """One entry per prompt: a string, or a list of token ids."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if p and all(isinstance(x, int) for x in p):
+            return [list(p)]  # type: ignore[arg-type]
+        return list(p)  # type: ignore[arg-type]
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float]] | None = None
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: Literal["stop", "length"] | None
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+# ---------------------------------------------------------------------------------------------
+# /tokenize, /info, /health
+# ---------------------------------------------------------------------------------------------
+
+
+class TokenizeRequest(BaseModel):
+    inputs: str = Field(..., min_length=1, max_length=MAX_TEXT_CHARS)
+    parameters: dict[str, Any] | None = Field(None, description="accepted for TGI compatibility, ignored")
+
+
+class SimpleToken(BaseModel):
+    id: int
+    text: str
+    start: int = Field(description="character offset of the token's text in `inputs`")
+    stop: int
+
+
+class Info(BaseModel):
+    model_id: str
+    model_dtype: str
+    model_device_type: str
+    config: dict = Field(description="the GPT-2 hyper-parameters")
+    weights_origin: dict
+    max_input_tokens: int
+    max_total_tokens: int
+    max_new_tokens: int
+    max_batch_size: int
+    max_waiting_requests: int
+    max_stop_sequences: int
+    max_best_of: int
+    max_prompts_per_request: int
+    max_body_bytes: int
+    kv_cache: dict = Field(description="slots used and total, right now")
+    version: str
+
+    model_config = ConfigDict(protected_namespaces=())

@@ -1,0 +1,62 @@
+"""Each KV-cache slot's decoding parameters as device tensors, written once at admission.
+
+A step gathers its rows' parameters by slot with one index per table, so a batch mixing
+greedy, sampled and penalised sequences costs no per-step Python work beyond the row list.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from model.sampling import SamplingTensors
+from service.requests import SamplingParams
+
+# Columns of the float table.
+TEMPERATURE, TOP_P, PENALTY, DO_SAMPLE = range(4)
+
+
+class SlotParams:
+    def __init__(self, max_slots: int, vocab_size: int, device: torch.device) -> None:
+        self.vocab_size = vocab_size
+        self.device = device
+        self._floats = torch.ones(max_slots, 4, device=device)  # [slots, 4]
+        self._top_k = torch.full((max_slots,), vocab_size, dtype=torch.long, device=device)
+        # Tokens of the prompt and output so far, for the repetition penalty. Kept up to date
+        # only while the slot's sequence has a penalty (the flag in SamplingTensors).
+        self._seen = torch.zeros(max_slots, vocab_size, dtype=torch.bool, device=device)
+
+    def write(self, slot: int, params: SamplingParams, prompt_ids: list[int]) -> None:
+        sampling = params.do_sample
+        row = [params.temperature if sampling else 1.0, params.top_p if sampling else 1.0,
+               params.repetition_penalty, float(sampling)]
+        self._floats[slot] = torch.tensor(row, device=self.device)
+        top_k = params.top_k if sampling and params.top_k > 0 else self.vocab_size
+        self._top_k[slot] = min(top_k, self.vocab_size)
+        if params.repetition_penalty != 1.0:
+            self._seen[slot] = False
+            self._seen[slot, torch.tensor(prompt_ids, device=self.device)] = True
+
+    def move(self, src: int, dst: int) -> None:
+        self._floats[dst] = self._floats[src]
+        self._top_k[dst] = self._top_k[src]
+        self._seen[dst] = self._seen[src]
+
+    def gather(self, slots: torch.Tensor, params: list[SamplingParams]) -> SamplingTensors:
+        """The parameters of rows using `slots` [B]; `params` are the same rows' settings."""
+        floats = self._floats[slots]  # [B, 4]
+        return SamplingTensors(
+            temperature=floats[:, TEMPERATURE],
+            top_k=self._top_k[slots],
+            top_p=floats[:, TOP_P],
+            repetition_penalty=floats[:, PENALTY],
+            do_sample=floats[:, DO_SAMPLE] > 0,
+            any_sample=any(p.do_sample for p in params),
+            any_top_k_top_p=any(p.do_sample and (p.top_k > 0 or p.top_p < 1.0) for p in params),
+            any_penalty=any(p.repetition_penalty != 1.0 for p in params),
+        )
+
+    def seen(self, slots: torch.Tensor) -> torch.Tensor:
+        return self._seen[slots]  # [B, V]
+
+    def mark_seen(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
+        self._seen[slots, tokens] = True

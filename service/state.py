@@ -1,0 +1,36 @@
+"""What every route reads: `request.app.state.service`, one ServiceState per app."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from starlette.requests import Request
+
+from model.gpt2 import GPT2
+from service.admission import Limits
+from service.metrics import Metrics
+from service.settings import Settings
+from weights.tokenizer import GPT2Tokenizer
+
+
+@dataclass
+class ServiceState:
+    settings: Settings
+    model: GPT2
+    tokenizer: GPT2Tokenizer
+    origin: dict
+    metrics: Metrics = field(default_factory=Metrics)
+    limits: Limits | None = None
+    loop: object | None = None  # service.loop.EngineLoop, once started
+    generations: object | None = None  # service.generation.Generations over that loop
+    started_at: float = field(default_factory=time.time)
+
+    def __post_init__(self) -> None:
+        if self.limits is None:
+            config = self.model.config
+            self.limits = Limits.from_settings(self.settings, config.n_positions, config.vocab_size)
+
+
+def service_state(request: Request) -> ServiceState:
+    return request.app.state.service

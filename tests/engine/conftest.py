@@ -1,0 +1,85 @@
+"""Engine test fixtures: our tiny model, transformers' reading of the same folder, helpers."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from service.engine import Engine, EngineConfig
+from service.requests import GenerationRequest, SamplingParams
+from tests.conftest import TINY
+from tests.model.hf_reference import load_reference
+from weights.checkpoint import load_model
+from weights.tokenizer import GPT2Tokenizer
+
+_ids = itertools.count()
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_model_dir: Path):
+    return load_model(tiny_model_dir)
+
+
+@pytest.fixture(scope="session")
+def hf_model(tiny_model_dir: Path):
+    return load_reference(tiny_model_dir, TINY)
+
+
+@pytest.fixture
+def make_engine(tiny_model, tokenizer: GPT2Tokenizer):
+    def make(tokenizer: GPT2Tokenizer = tokenizer, model=tiny_model, **config) -> Engine:
+        return Engine(model, tokenizer, EngineConfig(**{"max_slots": 8, **config}))
+
+    return make
+
+
+def make_request(prompt_ids: list[int], request_id: str | None = None, **params) -> GenerationRequest:
+    return GenerationRequest(
+        request_id=request_id or f"req-{next(_ids)}",
+        prompt_ids=list(prompt_ids),
+        params=SamplingParams(**params),
+        arrival_time=time.monotonic(),
+    )
+
+
+def random_prompt(length: int, seed: int, vocab: int = TINY.vocab_size) -> list[int]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (length,), generator=generator).tolist()
+
+
+@torch.no_grad()
+def hf_generate(hf_model, prompt_ids: list[int], max_new_tokens: int, **kwargs) -> list[int]:
+    """transformers' generate() on one prompt: the generated token ids only."""
+    prompt = torch.tensor([prompt_ids])  # [1, T]
+    out = hf_model.generate(
+        prompt,
+        attention_mask=torch.ones_like(prompt),
+        max_new_tokens=max_new_tokens,
+        min_new_tokens=0,
+        do_sample=False,
+        num_beams=1,
+        pad_token_id=hf_model.config.eos_token_id,
+        **kwargs,
+    )
+    return out[0, len(prompt_ids) :].tolist()
+
+
+def drive(engine: Engine, steps: int) -> list:
+    """Run `steps` engine steps; return every finished request they produced."""
+    finished = []
+    for _ in range(steps):
+        finished.extend(engine.step().finished)
+    return finished
+
+
+def run_until_idle(engine: Engine, limit: int = 500) -> list:
+    finished = []
+    for _ in range(limit):
+        if not engine.has_work():
+            return finished
+        finished.extend(engine.step().finished)
+    raise AssertionError(f"engine still busy after {limit} steps")
