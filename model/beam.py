@@ -143,22 +143,7 @@ class BeamSearch:
                 f"expected logits [num_beams={n}, vocab], got {list(logits.shape)}"
                 + (" (or [1, vocab] for the first step)" if self._generated == 0 else "")
             )
-        vocab = logits.shape[-1]
-        log_probs = torch.log_softmax(logits.float(), dim=-1).expand(n, vocab)  # [n, V]
-        if params.repetition_penalty != 1.0:
-            log_probs = self._penalise_repeats(log_probs)
-
-        totals = log_probs + self._running_scores.to(log_probs.device)[:, None]  # [n, V]
-        top_totals, top_flat = torch.topk(totals.reshape(-1), self._candidates)  # [K], [K]
-        top_logprobs = log_probs.reshape(-1)[top_flat]  # [K]
-        # One device-to-host transfer per step: the K candidates. float64 holds the float32
-        # scores and the flat indices (up to num_beams * V) exactly.
-        packed = torch.stack([top_totals.double(), top_logprobs.double(), top_flat.double()])
-        packed = packed.cpu()  # [3, K]
-        top_totals, top_logprobs = packed[0].float(), packed[1].tolist()
-        top_flat = packed[2].long().tolist()
-        beams = [flat // vocab for flat in top_flat]
-        tokens = [flat % vocab for flat in top_flat]
+        top_totals, top_logprobs, beams, tokens = self._top_candidates(logits)
 
         generated = self._generated + 1
         hits = torch.tensor(
@@ -194,6 +179,30 @@ class BeamSearch:
         return found[: self.params.num_return_sequences]
 
     # --- internals ----------------------------------------------------------------------------
+    def _top_candidates(
+        self, logits: torch.Tensor
+    ) -> tuple[torch.Tensor, list[float], list[int], list[int]]:
+        """The best 2 * num_beams (beam, token) continuations by running score, best first.
+
+        Returns their total scores (CPU float32 [K]), their tokens' own log-probs, their beams
+        and their tokens.
+        """
+        n, vocab = self.params.num_beams, logits.shape[-1]
+        log_probs = torch.log_softmax(logits.float(), dim=-1).expand(n, vocab)  # [n, V]
+        if self.params.repetition_penalty != 1.0:
+            log_probs = self._penalise_repeats(log_probs)
+        totals = log_probs + self._running_scores.to(log_probs.device)[:, None]  # [n, V]
+        top_totals, top_flat = torch.topk(totals.reshape(-1), self._candidates)  # [K], [K]
+        top_logprobs = log_probs.reshape(-1)[top_flat]  # [K]
+        # One device-to-host transfer per step. float64 holds the float32 scores and the flat
+        # indices (up to num_beams * V) exactly.
+        packed = torch.stack([top_totals.double(), top_logprobs.double(), top_flat.double()])
+        packed = packed.cpu()  # [3, K]
+        flat = packed[2].long().tolist()
+        beams = [index // vocab for index in flat]
+        tokens = [index % vocab for index in flat]
+        return packed[0].float(), packed[1].tolist(), beams, tokens
+
     def _penalise_repeats(self, log_probs: torch.Tensor) -> torch.Tensor:
         n, vocab = log_probs.shape
         if self._seen is None:

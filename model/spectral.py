@@ -1,8 +1,8 @@
 """σ_max of batches of matrices: exactly by LAPACK, or fast by a block Krylov method on AᵀA.
 
-Both return float32 values computed from float32 matrices. `fast` agrees with `exact` to
-`FAST_RTOL` relative on every matrix: a matrix the iteration cannot certify within its budget
-is handed to LAPACK instead of being answered approximately.
+Both return float32 values computed from float32 matrices. `fast` certifies each value to
+FAST_RTOL / 2 relative (see `spectral_norm_fast`); a matrix it cannot certify within its
+iteration budget is handed to LAPACK instead of being answered approximately.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import torch
 
 METHODS = ("exact", "fast")
 
-# Relative accuracy `fast` guarantees on σ_max (the service promises 1e-4; this leaves margin).
-FAST_RTOL = 2e-5
+# Residual tolerance on σ_max², so σ_max is certified to 5e-5 relative (the service promises 1e-4).
+FAST_RTOL = 1e-4
 # Block width. The iteration is bound by reading A from memory, and a pass costs about the
 # same for 1 or 16 vectors on CPU, so a wide block buys convergence at almost no cost.
 BLOCK = 16
@@ -34,7 +34,7 @@ def spectral_norm_exact(matrices: torch.Tensor) -> torch.Tensor:
     """Largest singular value by LAPACK (the document's `svdvals(...).max()`), in float32."""
     *batch, rows, cols = matrices.shape
     flat = matrices.reshape(-1, rows, cols).float()  # [B, n, n]
-    # One call per matrix: on CPU a batched svdvals of large matrices runs several times slower.
+    # One call per matrix, as the document's recipe runs it.
     norms = [torch.linalg.svdvals(m).max() for m in flat]
     return torch.stack(norms).reshape(batch) if norms else flat.new_zeros(batch)
 
@@ -52,7 +52,7 @@ def spectral_norm_fast(
     the search subspace; θ, the largest Rayleigh quotient of AᵀA on that subspace, only grows
     towards σ_max². A matrix stops when θ's Ritz vector y has ‖AᵀA y − θ y‖ ≤ rtol·θ: then an
     eigenvalue of AᵀA lies within rtol·θ of θ, so sqrt(θ) is within rtol/2 of a singular value.
-    The subspace is restarted from the top Ritz vectors when it reaches MAX_BASIS vectors.
+    The subspace restarts from the top Ritz vectors when it holds MAX_BASIS_BLOCKS blocks.
 
     Start block: the all-ones vector and the column sums Aᵀ1 (for an attention matrix A·1 = 1,
     so Aᵀ1 = AᵀA·1 is one power step ahead, free when the caller has it already), then seeded

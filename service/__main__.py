@@ -1,4 +1,7 @@
-"""python -m service --model-dir DIR --host H --port P --device cpu|cuda --dtype float32|bfloat16|float16"""
+"""python -m service --model-dir DIR --host H --port P --device cpu|cuda --dtype float32|bfloat16|float16
+
+Every setting of service/settings.py is a flag (--max-batch-size 16) and a GPT2_* variable.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +9,7 @@ import argparse
 import sys
 
 import uvicorn
+from pydantic import ValidationError
 
 from service.settings import Settings
 from weights.checkpoint import CheckpointError
@@ -18,7 +22,10 @@ def parse_settings(argv: list[str] | None = None) -> Settings:
         flag = "--" + name.replace("_", "-")
         parser.add_argument(flag, dest=name, default=None, help=field.description)
     given = {k: v for k, v in vars(parser.parse_args(argv)).items() if v is not None}
-    return Settings(**given)
+    try:
+        return Settings(**given)
+    except ValidationError as exc:
+        parser.error(str(exc))  # exits 2 with the offending setting named, no traceback
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -29,7 +36,9 @@ def main(argv: list[str] | None = None) -> None:
         app = create_app(settings)
     except (CheckpointError, FileNotFoundError, ValueError) as exc:
         sys.exit(f"cannot start: {exc}")
-    uvicorn.run(app, host=settings.host, port=settings.port)
+    # On SIGTERM uvicorn stops accepting, lets open responses finish for up to drain_seconds,
+    # then runs the app's shutdown, which drains the engine loop.
+    uvicorn.run(app, host=settings.host, port=settings.port, timeout_graceful_shutdown=settings.drain_seconds)
 
 
 if __name__ == "__main__":

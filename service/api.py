@@ -33,7 +33,7 @@ async def health() -> dict:
 async def info(request: Request) -> dict:
     state = service_state(request)
     settings, limits, config = state.settings, state.limits, state.model.config
-    loop = state.loop
+    cache = state.loop.engine.cache  # ints read from the engine thread's objects: atomic
     return {
         "model_id": settings.model_name,
         "model_dtype": str(state.model.dtype).removeprefix("torch."),
@@ -53,7 +53,7 @@ async def info(request: Request) -> dict:
         "max_best_of": limits.max_sequences,
         "max_prompts_per_request": limits.max_prompts,
         "max_body_bytes": settings.max_body_bytes,
-        "kv_cache": loop.kv_usage() if loop is not None else {"slots_used": 0, "slots_total": settings.max_batch_size},
+        "kv_cache": {"slots_used": cache.slots_used, "slots_total": cache.max_slots},
         "version": package_version(),
     }
 
@@ -70,12 +70,15 @@ async def metrics(request: Request) -> Response:
     return Response(service_state(request).metrics.expose(), media_type=CONTENT_TYPE_LATEST)
 
 
-def include_routes(app: FastAPI) -> None:
-    app.include_router(router)
-    app.include_router(routes_tgi.router)
-    app.include_router(routes_openai.router)
+def include_routes(app: FastAPI) -> list[str]:
+    """Mount every router; returns the route paths (the metrics' endpoint label values)."""
+    routers = [router, routes_tgi.router, routes_openai.router]
     try:
         from service.analysis_routes import router as analysis_router
     except ImportError:  # engineer D's module, not written yet
-        return
-    app.include_router(analysis_router)
+        analysis_router = None
+    if analysis_router is not None:
+        routers.append(analysis_router)
+    for each in routers:
+        app.include_router(each)
+    return [route.path for each in routers for route in each.routes]

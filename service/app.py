@@ -1,6 +1,6 @@
 """Builds the FastAPI application: loads the model, builds the engine loop, mounts the routes.
 
-Request path: BearerAuth (optional) → RequestMetrics → FastAPI's body limit (413 before parsing)
+Request path: BearerAuth (optional) → RequestMetrics → BodyLimit (413 before parsing)
 → route → schemas/admission (422) → Generations → EngineLoop (its own thread) → back as events.
 """
 
@@ -10,10 +10,10 @@ from contextlib import asynccontextmanager
 
 import torch
 from fastapi import FastAPI
-from starlette.concurrency import run_in_threadpool
 
 from service.api import include_routes
 from service.auth import BearerAuthMiddleware
+from service.body_limit import BodyLimitMiddleware
 from service.engine import Engine, EngineConfig
 from service.errors import install_error_handlers
 from service.generation import Generations
@@ -68,18 +68,17 @@ def create_app(settings: Settings) -> FastAPI:
         finally:
             # uvicorn has already waited (up to drain_seconds) for open responses; what is still
             # running now finishes or is cancelled by the loop's own drain.
-            await run_in_threadpool(state.loop.shutdown, settings.drain_seconds)
+            await state.loop.stop(timeout=settings.drain_seconds)
 
     app = FastAPI(
         title="gpt2-serve",
         summary="GPT-2 inference: TGI- and OpenAI-compatible generation, attention spectral analysis",
         lifespan=lifespan,
-        max_body_size=settings.max_body_bytes,
     )
     app.state.service = state
-    install_error_handlers(app, settings.max_body_bytes)
-    include_routes(app)
-    state.metrics.declare_endpoints([getattr(r, "path", "") for r in app.routes])
+    install_error_handlers(app)
+    state.metrics.declare_endpoints(include_routes(app))
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     app.add_middleware(RequestMetricsMiddleware, metrics=state.metrics)
     if settings.api_key is not None:
         # Added last, so outermost: unauthenticated requests do no work and are not counted.

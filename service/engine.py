@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from model.beam import BeamParams, BeamSearch, reorder_beam_slots
 from model.gpt2 import GPT2
 from model.kv_cache import KVCache
 from model.sampling import choose_tokens, token_logprobs
+from service.beam_requests import advance_beams, beam_results, start_beam_search
 from service.requests import (
     FinishedRequest,
     FinishedSequence,
@@ -58,8 +58,19 @@ class EngineConfig:
 class StepOutput:
     events: list[TokenEvent]
     finished: list[FinishedRequest]
-    stats: StepStats
+    stats: StepStats | None  # set once the step is over
     failed: list[RequestFailed] = field(default_factory=list)
+
+
+@dataclass
+class StepRows:
+    """The layout of one step's logits, known before the forwards run."""
+
+    decoding: list[Sequence]  # the decode batch, in slot order
+    row_of: dict[int, int]  # slot → its row in the step's logits
+    sampled: list[tuple[RequestState, Sequence]]  # what the sampler draws for (beams aside)
+    sample_rows: torch.Tensor  # [B] logits row of each sampled sequence
+    sample_slots: torch.Tensor  # [B] its KV-cache slot (and parameter-table row)
 
 
 @dataclass
@@ -113,56 +124,56 @@ class Engine:
     # --- one step -------------------------------------------------------------------------------
     def step(self) -> StepOutput:
         started = self.clock()
-        plan = self.scheduler.schedule(started)
-        finished = [self._finish(state, started) for state in plan.cancelled]
-        active = plan.prefill + plan.decode
-        decode_tokens = sum(len(s.live) for s in plan.decode)
-        events: list[TokenEvent] = []
-        failed: list[RequestFailed] = []
-        batch_size = 0
-        if active:
-            try:
-                events, batch_size = self._run_and_postprocess(plan, finished)
-            except Exception as exc:  # e.g. out of device memory: fail these, keep serving
-                log.exception("engine step failed")
-                failed = [
-                    RequestFailed(state.request.request_id, f"engine step failed: {exc}")
-                    for state in self.scheduler.abort_running()
-                ]
-        stats = StepStats(
+        output = StepOutput(events=[], finished=[], stats=None)
+        prefill_tokens = decode_tokens = batch_size = 0
+        try:
+            plan = self.scheduler.schedule(started)
+            output.finished = [self._finish(state, started) for state in plan.cancelled]
+            prefill_tokens = sum(len(s.request.prompt_ids) for s in plan.prefill)
+            decode_tokens = sum(len(s.live) for s in plan.decode)
+            if plan.prefill or plan.decode:
+                batch_size = self._run_and_postprocess(plan, output)
+        except Exception as exc:  # e.g. out of device memory: fail these requests, keep serving
+            log.exception("engine step failed")
+            output.failed = [
+                RequestFailed(state.request.request_id, f"engine step failed: {exc}")
+                for state in self.scheduler.abort_running()
+            ]
+        output.stats = StepStats(
             batch_size=batch_size,
-            prefill_tokens=sum(len(s.request.prompt_ids) for s in plan.prefill),
+            prefill_tokens=prefill_tokens,
             decode_tokens=decode_tokens,
             running=len(self.scheduler.running),
             waiting=self.scheduler.waiting_count,
             kv_slots_used=self.cache.slots_used,
             kv_slots_total=self.cache.max_slots,
             step_seconds=self.clock() - started,
-            finished=len(finished),
+            finished=len(output.finished),
         )
-        return StepOutput(events, finished, stats, failed)
+        return output
 
-    def _run_and_postprocess(
-        self, plan: StepPlan, finished: list[FinishedRequest]
-    ) -> tuple[list[TokenEvent], int]:
+    def _run_and_postprocess(self, plan: StepPlan, output: StepOutput) -> int:
+        """The step's model work and bookkeeping; returns how many rows got a token."""
         active = plan.prefill + plan.decode
         with torch.inference_mode():
+            rows = self._layout(plan)
             for src, dst, length in plan.moves:
                 self._move(src, dst, length)
-            logits, row_of = self._run(plan)
-            sampled = self._sample(logits, row_of, active)
+            logits = self._run(plan, rows)
+            sampled = self._sample(logits, rows)
             for state in active:
-                if state.beam is not None:
-                    self._beam_step(state, logits, row_of)
+                if state.beam is not None and advance_beams(state, logits, rows.row_of, self.cache):
+                    for beam in state.sequences:  # finish() gives each hypothesis its reason
+                        self.scheduler.release_sequence(beam, "length")
         now = self.clock()
-        events = [self._advance(s, now) for s in sampled]
+        output.events = [self._advance(s, now) for s in sampled]
         for state in active:
             if state.first_token_time is None:
                 state.first_token_time = now
             if state.done:
-                finished.append(self._finish(state, now))
+                output.finished.append(self._finish(state, now))
         self.scheduler.drop_finished()
-        return events, len(row_of)
+        return len(rows.row_of)
 
     # --- admission ------------------------------------------------------------------------------
     def _start(self, state: RequestState, slots: list[int]) -> list[Sequence]:
@@ -171,16 +182,7 @@ class Engine:
         if params.do_sample:
             state.seed = params.seed if params.seed is not None else secrets.randbits(63)
         if params.num_beams > 1:
-            beam_params = BeamParams(
-                num_beams=params.num_beams,
-                length_penalty=params.length_penalty,
-                early_stopping=params.early_stopping,
-                num_return_sequences=params.num_return_sequences,
-                eos_token_id=None if params.ignore_eos else self.tokenizer.eos_token_id,
-                max_new_tokens=params.max_new_tokens,
-                repetition_penalty=params.repetition_penalty,
-            )
-            state.beam = BeamSearch(beam_params, prompt)
+            state.beam = start_beam_search(params, prompt, self.tokenizer.eos_token_id)
         sequences = []
         for index, slot in enumerate(slots):
             generator = None
@@ -199,21 +201,34 @@ class Engine:
         self.slot_params.move(src, dst)
 
     # --- run: forwards and sampling -------------------------------------------------------------
-    def _run(self, plan: StepPlan) -> tuple[torch.Tensor, dict[int, int]]:
-        """Logits [rows, V]: one row per admitted request, then one per decoding sequence.
+    def _layout(self, plan: StepPlan) -> StepRows:
+        """Where every sequence's logits will be, decided before any forward is queued.
 
-        row_of maps a sequence's slot to its row (all sequences of a request share its prefill row).
+        Index tensors are built here: on CUDA a host→device copy waits for queued work, so
+        making them after the forwards were launched would stall the host until they finish.
         """
-        parts, row_of = [], {}
+        decoding = sorted((seq for s in plan.decode for seq in s.live), key=lambda seq: seq.slot)
+        # One logits row per admitted request (its sequences share it), then one per decoding one.
+        row_of = {seq.slot: row for row, state in enumerate(plan.prefill) for seq in state.sequences}
+        row_of.update((seq.slot, len(plan.prefill) + row) for row, seq in enumerate(decoding))
+        sampled = [
+            (state, seq)
+            for state in plan.prefill + plan.decode
+            if state.beam is None
+            for seq in state.live
+        ]
+        sample_rows = torch.tensor([row_of[seq.slot] for _, seq in sampled], device=self.device)
+        sample_slots = torch.tensor([seq.slot for _, seq in sampled], device=self.device)
+        return StepRows(decoding, row_of, sampled, sample_rows, sample_slots)
+
+    def _run(self, plan: StepPlan, rows: StepRows) -> torch.Tensor:
+        """Logits [rows, V] in the layout of `rows`."""
+        parts = []
         if plan.prefill:
             parts.append(self._prefill(plan.prefill))
-            for row, state in enumerate(plan.prefill):
-                row_of.update((seq.slot, row) for seq in state.sequences)
-        decoding = sorted((seq for s in plan.decode for seq in s.live), key=lambda seq: seq.slot)
-        if decoding:
-            parts.append(self._decode(decoding))
-            row_of.update((seq.slot, len(plan.prefill) + row) for row, seq in enumerate(decoding))
-        return (torch.cat(parts) if len(parts) > 1 else parts[0]), row_of
+        if rows.decoding:
+            parts.append(self._decode(rows.decoding))
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
 
     def _prefill(self, states: list[RequestState]) -> torch.Tensor:
         prompts = [state.request.prompt_ids for state in states]
@@ -268,18 +283,14 @@ class Engine:
         out = self.model(input_ids, positions, self.cache, rows, kv_length=kv_length)
         return out.logits[:, -1]  # [B, V]
 
-    def _sample(
-        self, logits: torch.Tensor, row_of: dict[int, int], active: list[RequestState]
-    ) -> list[SampledToken]:
-        pairs = [(state, seq) for state in active if state.beam is None for seq in state.live]
-        if not pairs:
+    def _sample(self, logits: torch.Tensor, rows: StepRows) -> list[SampledToken]:
+        if not rows.sampled:
             return []
-        rows = torch.tensor([row_of[seq.slot] for _, seq in pairs], device=self.device)  # [B]
-        slots = torch.tensor([seq.slot for _, seq in pairs], device=self.device)  # [B]
-        params = self.slot_params.gather(slots, [state.params for state, _ in pairs])
+        slots = rows.sample_slots
+        params = self.slot_params.gather(slots, [state.params for state, _ in rows.sampled])
         seen = self.slot_params.seen(slots) if params.any_penalty else None
-        generators = [seq.generator for _, seq in pairs]
-        tokens, logprobs = choose_tokens(logits[rows], params, generators, seen)  # [B], [B]
+        generators = [seq.generator for _, seq in rows.sampled]
+        tokens, logprobs = choose_tokens(logits[rows.sample_rows], params, generators, seen)  # [B], [B]
         if params.any_penalty:
             self.slot_params.mark_seen(slots, tokens)
         # The step's one device→host copy: tokens and their log-probs together (float64 holds
@@ -287,26 +298,8 @@ class Engine:
         host_tokens, host_logprobs = torch.stack([tokens.double(), logprobs.double()]).cpu().tolist()
         return [
             SampledToken(state, seq, int(token), logprob)
-            for (state, seq), token, logprob in zip(pairs, host_tokens, host_logprobs)
+            for (state, seq), token, logprob in zip(rows.sampled, host_tokens, host_logprobs)
         ]
-
-    def _beam_step(self, state: RequestState, logits: torch.Tensor, row_of: dict[int, int]) -> None:
-        beams = state.sequences
-        if state.first_token_time is None:
-            beam_logits = logits[row_of[beams[0].slot]][None]  # [1, V]: one prompt, one row
-        else:
-            rows = torch.tensor([row_of[b.slot] for b in beams], device=self.device)
-            beam_logits = logits[rows]  # [num_beams, V]
-        step = state.beam.step(beam_logits)
-        if step.done:
-            for beam in beams:
-                self.scheduler.release_sequence(beam, "length")  # reasons come from finish()
-            return
-        # Every beam has cached all of its tokens (the prompt, then each one fed since).
-        reorder_beam_slots(self.cache, [b.slot for b in beams], step.source_beams, len(beams[0].token_ids))
-        token_ids = [beams[src].token_ids + [token] for src, token in zip(step.source_beams, step.next_tokens)]
-        for beam, ids in zip(beams, token_ids):
-            beam.token_ids = ids
 
     # --- postprocess ------------------------------------------------------------------------------
     def _advance(self, sampled: SampledToken, now: float) -> TokenEvent:
@@ -333,16 +326,7 @@ class Engine:
         request = state.request
         self.scheduler.forget(request.request_id)
         if state.beam is not None and state.beam.done:
-            sequences = [
-                FinishedSequence(
-                    token_ids=h.token_ids,
-                    text=self.tokenizer.decode(h.token_ids, skip_special_tokens=True),
-                    logprobs=h.token_logprobs,
-                    finish_reason=h.finish_reason,
-                    score=h.score,
-                )
-                for h in state.beam.finish()
-            ]
+            sequences = beam_results(state, self.tokenizer)
         elif state.beam is not None or not state.sequences:
             # Cancelled before it produced anything it could return.
             sequences = [

@@ -61,7 +61,7 @@ HTTP_ERROR_TYPES = {
 }
 
 
-def install_error_handlers(app: FastAPI, max_body_bytes: int) -> None:
+def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
         return error_response(exc.status, exc.error_type, exc.message, exc.headers)
@@ -73,7 +73,4 @@ def install_error_handlers(app: FastAPI, max_body_bytes: int) -> None:
     @app.exception_handler(HTTPException)
     async def _http_error(_: Request, exc: HTTPException) -> JSONResponse:
         error_type = HTTP_ERROR_TYPES.get(exc.status_code, "error")
-        message = str(exc.detail)
-        if exc.status_code == 413:
-            message = f"request body is larger than the limit of {max_body_bytes} bytes"
-        return error_response(exc.status_code, error_type, message, getattr(exc, "headers", None))
+        return error_response(exc.status_code, error_type, str(exc.detail), getattr(exc, "headers", None))

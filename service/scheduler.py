@@ -7,6 +7,7 @@ belongs to the engine thread, which calls `schedule` once per step.
 
 from __future__ import annotations
 
+import math
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -135,6 +136,8 @@ class Scheduler:
             raise ValueError("stop strings must not be empty")
         if p.num_beams > 1 and p.stop:
             raise ValueError("stop strings are not supported with beam search")
+        if not math.isfinite(p.length_penalty) or p.early_stopping not in (True, False, "never"):
+            raise ValueError("length_penalty must be finite; early_stopping true, false or 'never'")
         if self._slots_needed(p) > self.cache.max_slots:
             raise ValueError(
                 f"the request needs {self._slots_needed(p)} sequences at once; the engine has "
@@ -200,10 +203,16 @@ class Scheduler:
                 cancelled.append(state)
             else:
                 decode.append(state)
+        # Running before they start, so a failure while starting one still frees the others.
+        self.running = decode + admitted
         for state in admitted:
             state.scheduled_time = now
-            state.sequences = self._start(state, self.cache.allocate(state.slots_needed))
-        self.running = decode + admitted
+            slots = self.cache.allocate(state.slots_needed)
+            try:
+                state.sequences = self._start(state, slots)
+            except Exception:
+                self.cache.free(slots)
+                raise
         return StepPlan(admitted, decode, cancelled, self._pack())
 
     def _release_cancelled(self, state: RequestState) -> None:

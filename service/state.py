@@ -9,6 +9,8 @@ from starlette.requests import Request
 
 from model.gpt2 import GPT2
 from service.admission import Limits
+from service.generation import Generations
+from service.loop import EngineLoop
 from service.metrics import Metrics
 from service.settings import Settings
 from weights.tokenizer import GPT2Tokenizer
@@ -22,8 +24,8 @@ class ServiceState:
     origin: dict
     metrics: Metrics = field(default_factory=Metrics)
     limits: Limits | None = None
-    loop: object | None = None  # service.loop.EngineLoop, once started
-    generations: object | None = None  # service.generation.Generations over that loop
+    loop: EngineLoop | None = None  # the engine's thread; started by the app's lifespan
+    generations: Generations | None = None  # the HTTP side of that loop
     started_at: float = field(default_factory=time.time)
 
     def __post_init__(self) -> None:

@@ -24,8 +24,8 @@ from weights.random_init import write_model_dir
 
 EOS = 50256
 SCORE_TOL = {"abs": 1e-4, "rel": 1e-6}
-# 16 tokens: beams share few tokens with each other, so their histories (and what
-# repetition_penalty sees) differ from beam to beam; the last token is the EOS.
+# 16 tokens: every beam soon holds a different mix of tokens, so repetition_penalty (which sees
+# each beam's own tokens) changes the ranking at most steps; the last token is the EOS.
 SMALL_VOCAB = TINY.with_(vocab_size=16, bos_token_id=15, eos_token_id=15)
 
 
@@ -90,23 +90,27 @@ def run_generate(reference, prompt: list[int], params: BeamParams):
     """transformers' generate() with these beam settings, as a GenerateBeamDecoderOnlyOutput."""
     # generate() fills unset fields from the model's generation config, which names EOS 50256;
     # setting it there is the only way to ask for "no EOS" (eos_token_id=None).
+    configured_eos = reference.generation_config.eos_token_id
     reference.generation_config.eos_token_id = params.eos_token_id
     ids = torch.tensor([prompt])  # [1, T]
-    return reference.generate(
-        ids,
-        attention_mask=torch.ones_like(ids),
-        do_sample=False,
-        num_beams=params.num_beams,
-        length_penalty=params.length_penalty,
-        early_stopping=params.early_stopping,
-        num_return_sequences=params.num_return_sequences,
-        max_new_tokens=params.max_new_tokens,
-        eos_token_id=params.eos_token_id,
-        pad_token_id=EOS,
-        repetition_penalty=params.repetition_penalty,
-        return_dict_in_generate=True,
-        output_scores=True,
-    )
+    try:
+        return reference.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            num_beams=params.num_beams,
+            length_penalty=params.length_penalty,
+            early_stopping=params.early_stopping,
+            num_return_sequences=params.num_return_sequences,
+            max_new_tokens=params.max_new_tokens,
+            eos_token_id=params.eos_token_id,
+            pad_token_id=EOS,
+            repetition_penalty=params.repetition_penalty,
+            return_dict_in_generate=True,
+            output_scores=True,
+        )
+    finally:
+        reference.generation_config.eos_token_id = configured_eos
 
 
 def reference_beam(reference, prompt: list[int], params: BeamParams) -> list[tuple[list[int], float]]:

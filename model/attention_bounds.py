@@ -1,0 +1,97 @@
+"""The bounds /analyze/spectrum reports beside each measured ‖A‖₂, and the weight spectra they use.
+
+Notation and derivations: /work/shared/ANALYSIS.md ("Per-matrix quantities"). For a causal,
+row-stochastic attention matrix A of n tokens:
+    lower = 1 ≤ ‖A‖₂ ≤ colsum = sqrt(max column sum) ≤ trivial = sqrt(n), and
+    ‖A‖₂ ≤ prenorm = sqrt(Σ_{i<n} 1 / (1 + i·e^{−2M})), M a bound on |logit| from the weights.
+seed_prenorm is the source document's formula; it is reported for comparison and is not a bound
+for GPT-2 (it drops the LayerNorm shift and the biases and scales by sqrt(d), not sqrt(d_h)).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from model.gpt2 import GPT2
+
+
+@dataclass(frozen=True)
+class WeightSpectra:
+    """Spectral norms of one model's weights, float64. Per head: [n_layer, n_head]; per layer: [n_layer]."""
+
+    query: torch.Tensor  # ‖W_Q^h‖₂
+    key: torch.Tensor  # ‖W_K^h‖₂
+    value: torch.Tensor  # ‖W_V^h‖₂
+    query_bias: torch.Tensor  # ‖b_Q^h‖₂
+    key_bias: torch.Tensor  # ‖b_K^h‖₂
+    attn_proj: torch.Tensor  # ‖W_O‖₂ (attn.c_proj)
+    mlp_fc: torch.Tensor  # ‖W_fc‖₂
+    mlp_proj: torch.Tensor  # ‖W_proj‖₂
+    ln1_gain_max: torch.Tensor  # Γ = max |γ| of ln_1
+    ln1_shift_norm: torch.Tensor  # ‖β‖₂ of ln_1
+    logit_bound: torch.Tensor  # M = q_max·k_max / sqrt(d_h), per head
+    seed_logit_bound: torch.Tensor  # the document's M' = Γ²·‖W_Q^h‖₂·‖W_K^h‖₂·sqrt(d), per head
+
+    def to_dict(self) -> dict:
+        return {name: getattr(self, name).tolist() for name in self.__dataclass_fields__}
+
+
+def weight_spectra(model: GPT2) -> WeightSpectra:
+    """Every weight-only quantity of ANALYSIS.md, in float64 (computed once per model)."""
+    config = model.config
+    d, heads, d_h = config.n_embd, config.n_head, config.head_dim
+    per_head: dict[str, list[torch.Tensor]] = {k: [] for k in ("q", "k", "v", "bq", "bk")}
+    per_layer: dict[str, list[torch.Tensor]] = {k: [] for k in ("o", "fc", "proj", "gamma", "beta")}
+    for block in model.h:
+        weight = block.attn.c_attn.weight.detach().double().cpu()  # [d, 3d], stored [in, out]
+        bias = block.attn.c_attn.bias.detach().double().cpu()  # [3d]
+        for name, part in zip("qkv", weight.split(d, dim=1)):  # 3 × [d, d]
+            per_head_part = part.reshape(d, heads, d_h).transpose(0, 1)  # [H, d, d_h]
+            per_head[name].append(_spectral_norms(per_head_part))
+        for name, part in zip(("bq", "bk"), bias.split(d)[:2]):
+            per_head[name].append(part.reshape(heads, d_h).norm(dim=-1))  # [H]
+        per_layer["o"].append(_spectral_norms(block.attn.c_proj.weight.detach().double().cpu()))
+        per_layer["fc"].append(_spectral_norms(block.mlp.c_fc.weight.detach().double().cpu()))
+        per_layer["proj"].append(_spectral_norms(block.mlp.c_proj.weight.detach().double().cpu()))
+        per_layer["gamma"].append(block.ln_1.weight.detach().double().abs().max().cpu())
+        per_layer["beta"].append(block.ln_1.bias.detach().double().norm().cpu())
+    q, k, v, bq, bk = (torch.stack(per_head[name]) for name in ("q", "k", "v", "bq", "bk"))  # [L, H]
+    o, fc, proj, gamma, beta = (torch.stack(per_layer[n]) for n in ("o", "fc", "proj", "gamma", "beta"))
+    # ‖LN(x)‖₂ ≤ Γ·sqrt(d) + ‖β‖₂, because the normalised x has norm at most sqrt(d).
+    ln_radius = (gamma * math.sqrt(d) + beta)[:, None]  # [L, 1]
+    logit_bound = (q * ln_radius + bq) * (k * ln_radius + bk) / math.sqrt(d_h)  # [L, H]
+    seed_logit_bound = gamma[:, None] ** 2 * q * k * math.sqrt(d)  # [L, H]
+    return WeightSpectra(
+        query=q, key=k, value=v, query_bias=bq, key_bias=bk,
+        attn_proj=o, mlp_fc=fc, mlp_proj=proj, ln1_gain_max=gamma, ln1_shift_norm=beta,
+        logit_bound=logit_bound, seed_logit_bound=seed_logit_bound,
+    )
+
+
+def column_sum_bound(column_sums: torch.Tensor) -> torch.Tensor:
+    """sqrt(max column sum) per matrix, from column sums [..., n]: ‖A‖₂² ≤ ‖A‖₁·‖A‖_∞ = c_max·1."""
+    return column_sums.amax(dim=-1).sqrt()
+
+
+def prenorm_bound(n_tokens: int, logit_bound: torch.Tensor) -> torch.Tensor:
+    """sqrt(Σ_{i<n} 1 / (1 + i·e^{−2M})) for each M of `logit_bound`, float64.
+
+    Row i of a causal matrix has i + 1 entries whose logits differ by at most 2M, so no entry of
+    it exceeds 1 / (1 + i·e^{−2M}); summing over rows bounds every column sum.
+    """
+    rows = torch.arange(n_tokens, dtype=torch.float64)  # [n]
+    spread = torch.exp(-2 * logit_bound.double())[..., None]  # [..., 1]
+    return (1.0 / (1.0 + rows * spread)).sum(dim=-1).sqrt()  # [...]
+
+
+def seed_prenorm(n_tokens: int, seed_logit_bound: torch.Tensor) -> torch.Tensor:
+    """The document's sqrt(n / (1 + (n−1)·e^{−2M'})); not a valid bound for GPT-2 (see module doc)."""
+    spread = torch.exp(-2 * seed_logit_bound.double())
+    return (n_tokens / (1.0 + (n_tokens - 1) * spread)).sqrt()
+
+
+def _spectral_norms(matrices: torch.Tensor) -> torch.Tensor:
+    return torch.linalg.matrix_norm(matrices, ord=2)

@@ -1,0 +1,115 @@
+"""σ_max: `exact` against float64 LAPACK through numpy, `fast` against `exact` on many matrices."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from model.spectral import spectral_norm, spectral_norm_exact, spectral_norm_fast
+
+FAST_TOLERANCE = 1e-4  # relative, what the service promises for method=fast
+EXACT_TOLERANCE = 1e-5  # relative, float32 LAPACK against float64
+SIZES = (1, 2, 7, 16, 17, 48, 130)
+
+
+def causal_softmax(logits: torch.Tensor) -> torch.Tensor:
+    n = logits.shape[-1]
+    above = torch.ones(n, n, dtype=torch.bool).triu(1)
+    return logits.masked_fill(above, float("-inf")).softmax(dim=-1)  # [..., n, n]
+
+
+def attention_like(n: int, scale: float, count: int, seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return causal_softmax(torch.randn(count, n, n, generator=generator) * scale)
+
+
+def uniform_causal(n: int) -> torch.Tensor:
+    ones = torch.ones(n, n).tril()
+    return (ones / ones.sum(dim=-1, keepdim=True))[None]  # [1, n, n]
+
+
+def one_dominant_column(n: int, count: int, seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    logits = torch.randn(count, n, n, generator=generator)
+    logits[:, :, 0] += torch.linspace(2.0, 10.0, count)[:, None]  # an "attention sink" on token 0
+    return causal_softmax(logits)
+
+
+def near_identity(n: int, count: int, seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    logits = torch.randn(count, n, n, generator=generator)
+    return causal_softmax(logits + torch.linspace(4.0, 12.0, count)[:, None, None] * torch.eye(n))
+
+
+def families(n: int, seed: int) -> dict[str, torch.Tensor]:
+    return {
+        "attention, flat": attention_like(n, 0.05, 4, seed),
+        "attention, mixed": attention_like(n, 1.0, 4, seed + 1),
+        "attention, sharp": attention_like(n, 6.0, 4, seed + 2),
+        "uniform causal": uniform_causal(n),
+        "one dominant column": one_dominant_column(n, 4, seed + 3),
+        "near identity": near_identity(n, 4, seed + 4),
+        "gaussian": torch.randn(3, n, n, generator=torch.Generator().manual_seed(seed + 5)),
+    }
+
+
+def float64_reference(matrices: torch.Tensor) -> np.ndarray:
+    return np.array([np.linalg.svd(m.double().numpy(), compute_uv=False)[0] for m in matrices])
+
+
+def relative_error(actual: torch.Tensor, expected) -> float:
+    expected = torch.as_tensor(expected, dtype=torch.float64)
+    return ((actual.double() - expected).abs() / expected).max().item()
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_exact_matches_float64_lapack(n: int) -> None:
+    for name, matrices in families(n, seed=n).items():
+        assert relative_error(spectral_norm_exact(matrices), float64_reference(matrices)) < EXACT_TOLERANCE, name
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_fast_agrees_with_exact_on_every_matrix(n: int) -> None:
+    for name, matrices in families(n, seed=100 + n).items():
+        fast = spectral_norm_fast(matrices)
+        exact = spectral_norm_exact(matrices)
+        assert fast.dtype == torch.float32 and fast.shape == exact.shape
+        assert relative_error(fast, exact) < FAST_TOLERANCE, name
+
+
+def test_fast_on_many_random_attention_matrices() -> None:
+    generator = torch.Generator().manual_seed(7)
+    for trial in range(12):
+        n = int(torch.randint(20, 90, (1,), generator=generator))
+        scale = float(torch.empty(1).uniform_(0.0, 8.0, generator=generator))
+        matrices = attention_like(n, scale, 6, seed=1000 + trial)
+        assert relative_error(spectral_norm_fast(matrices), spectral_norm_exact(matrices)) < FAST_TOLERANCE, (n, scale)
+
+
+def test_fast_hands_what_it_cannot_certify_to_lapack() -> None:
+    # Gaussian matrices have close top singular values: one iteration certifies none of them,
+    # so every value here must come from the LAPACK fallback.
+    matrices = torch.randn(4, 120, 120, generator=torch.Generator().manual_seed(3))
+    exact = spectral_norm_exact(matrices)
+    assert relative_error(spectral_norm_fast(matrices, max_iterations=1), exact) < FAST_TOLERANCE
+    # Nothing is ever certified at rtol = 0: every value is LAPACK's.
+    assert torch.equal(spectral_norm_fast(matrices, rtol=0.0, max_iterations=2), exact)
+
+
+def test_fast_uses_the_column_sums_it_is_given_only_as_a_start() -> None:
+    matrices = attention_like(40, 2.0, 3, seed=11)
+    misleading = torch.rand(3, 40, generator=torch.Generator().manual_seed(12))
+    assert relative_error(spectral_norm_fast(matrices, column_sums=misleading), spectral_norm_exact(matrices)) < FAST_TOLERANCE
+
+
+def test_batch_shape_and_determinism() -> None:
+    matrices = attention_like(24, 1.0, 6, seed=5).reshape(2, 3, 24, 24)
+    torch.manual_seed(0)
+    first = spectral_norm(matrices, "fast")
+    torch.manual_seed(1)
+    assert torch.equal(first, spectral_norm(matrices, "fast"))
+    assert first.shape == (2, 3)
+    assert relative_error(first.flatten(), float64_reference(matrices.reshape(6, 24, 24))) < FAST_TOLERANCE
+    with pytest.raises(ValueError, match="unknown method"):
+        spectral_norm(matrices, "svd")

@@ -1,0 +1,111 @@
+"""A real server under the situations a unit test cannot make: clients that leave, a full queue,
+bad requests next to good ones, SIGTERM with work in flight."""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+from contextlib import ExitStack
+
+import httpx
+import pytest
+
+from tests.service.live import WAIT_S, live_server, wait_until
+
+pytestmark = pytest.mark.slow
+
+# Long enough (on the 1024-context tiny model) to still be running while the test acts.
+LONG = {"max_new_tokens": 900, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def server(long_model_dir):
+    with live_server(long_model_dir, max_batch_size=2, max_waiting=2, drain_seconds=60) as running:
+        yield running
+
+
+def open_stream(stack: ExitStack, client: httpx.Client, inputs: str) -> httpx.Response:
+    body = {"inputs": inputs, "parameters": LONG}
+    return stack.enter_context(client.stream("POST", "/generate_stream", json=body))
+
+
+def first_event(response: httpx.Response) -> dict:
+    assert response.status_code == 200
+    for line in response.iter_lines():
+        if line.startswith("data:"):
+            return json.loads(line[5:])
+    raise AssertionError("stream ended before its first event")
+
+
+def test_disconnected_stream_frees_its_slot(server):
+    cancelled = server.metric("gpt2_requests_total", endpoint="/generate_stream", outcome="cancelled")
+    with httpx.Client(base_url=server.url, timeout=30) as client, ExitStack() as stack:
+        response = open_stream(stack, client, "A story that goes on")
+        assert first_event(response)["index"] == 1
+        assert server.slots_used() == 1
+    # The connection is closed: the engine must drop the request within a step or so.
+    wait_until(lambda: server.slots_used() == 0, WAIT_S, "the slot of the abandoned stream to be freed")
+    wait_until(lambda: server.metric("gpt2_kv_cache_usage_ratio") == 0.0, WAIT_S, "kv usage 0 in /metrics")
+    wait_until(
+        lambda: server.metric("gpt2_requests_total", endpoint="/generate_stream", outcome="cancelled") == cancelled + 1,
+        WAIT_S, "the stream counted as cancelled",
+    )
+
+
+def test_disconnected_plain_request_frees_its_slot(server):
+    done = threading.Event()
+
+    def leave_early():
+        # A read timeout makes httpx close the connection while the server is still generating.
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(server.url + "/generate", json={"inputs": "Patience", "parameters": LONG}, timeout=httpx.Timeout(30, read=1.0))
+        done.set()
+
+    caller = threading.Thread(target=leave_early)
+    caller.start()
+    wait_until(lambda: server.slots_used() == 1, WAIT_S, "the request to start")
+    caller.join(WAIT_S)
+    assert done.is_set()
+    wait_until(lambda: server.slots_used() == 0, WAIT_S, "the slot of the abandoned request to be freed")
+
+
+def test_full_queue_gets_429_and_others_carry_on(server):
+    with httpx.Client(base_url=server.url, timeout=30) as client, ExitStack() as stack:
+        running = [open_stream(stack, client, f"Runner {i}") for i in range(2)]
+        for response in running:
+            first_event(response)  # both hold a slot now (max_batch_size=2)
+        waiting = [open_stream(stack, client, f"Waiter {i}") for i in range(2)]  # max_waiting=2
+        wait_until(lambda: server.metric("gpt2_requests_waiting") == 2, WAIT_S, "two waiting requests")
+
+        refused = client.post("/generate", json={"inputs": "one too many", "parameters": {"max_new_tokens": 1}})
+        assert refused.status_code == 429
+        assert refused.json()["error_type"] == "overloaded"
+        assert int(refused.headers["retry-after"]) >= 0
+        # Invalid requests are answered at once, whatever the load.
+        invalid = client.post("/generate", json={"inputs": "x", "parameters": {"temperature": -1}})
+        assert invalid.status_code == 422 and invalid.json()["error_type"] == "validation"
+        assert all(r.status_code == 200 for r in waiting)
+    wait_until(lambda: server.slots_used() == 0, WAIT_S, "every slot to be freed after the clients left")
+    assert server.metric("gpt2_requests_total", endpoint="/generate", outcome="overloaded") >= 1
+
+
+def test_sigterm_drains_in_flight_requests(long_model_dir):
+    with live_server(long_model_dir, drain_seconds=60) as server:
+        result: dict = {}
+
+        def call():
+            body = {"inputs": "Before shutdown", "parameters": {**LONG, "details": True}}
+            result["response"] = httpx.post(server.url + "/generate", json=body, timeout=WAIT_S)
+
+        caller = threading.Thread(target=call)
+        caller.start()
+        wait_until(lambda: server.slots_used() == 1, WAIT_S, "the request to start")
+        server.process.send_signal(signal.SIGTERM)
+        caller.join(WAIT_S)
+        response = result["response"]
+        assert response.status_code == 200
+        assert response.json()["details"]["generated_tokens"] == LONG["max_new_tokens"]  # finished, not cut
+        assert server.process.wait(timeout=WAIT_S) == 0
+        # uvicorn says so when SIGTERM found the response still open: the drain was exercised.
+        assert "Waiting for connections to close" in server.process.stdout.read()
