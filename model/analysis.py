@@ -25,7 +25,7 @@ from model.attention_bounds import (
 )
 from model.config import GPT2Config
 from model.gpt2 import GPT2
-from model.spectral import spectral_norm
+from model.spectral import spectral_norm, top_singular_fast
 
 # A measurement above a bound by more than float32 rounding counts as a violation.
 BOUND_RTOL = 1e-5
@@ -188,12 +188,20 @@ def analyze_sequence(
         seconds["forward"] += time.perf_counter() - started
         started = time.perf_counter()
         norms, colsums = [], []
+        warm_start = None
         for layer in layers:
             probs = attentions[layer][0]  # [H, n, n], float32
             attentions[layer] = None  # free each layer's probabilities once measured
             column_sums = probs.sum(dim=-2)  # [H, n]
             colsums.append(column_sum_bound(column_sums))
-            norms.append(spectral_norm(probs, method, column_sums=column_sums))
+            if method == "fast":
+                # A head's top singular vectors change little from one layer to the next: starting
+                # from the previous layer's saves about one iteration in three.
+                top = top_singular_fast(probs, column_sums, warm_start)
+                norms.append(top.sigma)
+                warm_start = top.vectors
+            else:
+                norms.append(spectral_norm(probs, method))
         seconds["spectral_norm"] += time.perf_counter() - started
     return SequenceSpectrum(
         n_tokens=n,

@@ -15,7 +15,7 @@ from torch import nn
 
 from model.config import GPT2Config
 from model.kv_cache import KVCache, SlotBatch
-from model.linear import Conv1D, linear, onednn_serves
+from model.linear import REFERENCE, Conv1D, Kernels, linear
 
 
 class MLP(nn.Module):
@@ -64,9 +64,13 @@ class CausalSelfAttention(nn.Module):
         probs = None
         if ctx.want_probs:
             # Analysis needs the probabilities themselves, in float32 whatever the weights are.
-            scores = (q.float() @ k.float().transpose(-2, -1)) / math.sqrt(self.head_dim)  # [B,H,T,L]
+            # Scaling q rather than the scores, and masking in place, spares two [B, H, T, L]
+            # temporaries per layer (~20% of a 1024-token analysis forward); 1/sqrt(64) is a
+            # power of two, so the scores are bit-identical to transformers' (q @ kᵀ) / 8.
+            scaled_q = q.float() * (1.0 / math.sqrt(self.head_dim))  # [B, H, T, d_h]
+            scores = scaled_q @ k.float().transpose(-2, -1)  # [B, H, T, L]
             if ctx.mask is not None:
-                scores = scores.masked_fill(~ctx.mask, float("-inf"))
+                scores.masked_fill_(~ctx.mask, float("-inf"))
             probs = scores.softmax(dim=-1)  # [B, H, T, L]
             y = probs.to(v.dtype) @ v  # [B, H, T, d_h]
         else:
@@ -107,7 +111,7 @@ class GPT2(nn.Module):
         self.wpe = nn.Embedding(config.n_positions, config.n_embd)
         self.h = nn.ModuleList(Block(config, i) for i in range(config.n_layer))
         self.ln_f = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
-        self._onednn_head = False
+        self.kernels = REFERENCE
 
     @property
     def device(self) -> torch.device:
@@ -117,21 +121,24 @@ class GPT2(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.wte.weight.dtype
 
-    def prepare(self) -> None:
-        """Choose weight layouts and kernels for the current device and dtype.
+    def prepare(self, compile_rows: bool = False) -> None:
+        """Choose weight layouts and kernels for the current device and dtype (model/linear.py).
 
         Call after loading or moving the model (load_model does). Without it the model computes
-        the same thing with PyTorch's default kernels.
+        the same function with PyTorch's default kernels. compile_rows: one-row products (batch-1
+        decode) on CPU through inductor-generated loops; compiles them now, taking seconds.
         """
-        onednn = onednn_serves(self.device, self.dtype)
+        self.kernels = Kernels.choose(self.device, self.dtype, compile_rows)
         for module in self.modules():
             if isinstance(module, Conv1D):
-                module.prepare(onednn)
-        self._onednn_head = onednn
+                module.prepare(self.kernels)
+        if self.kernels.compiled_rows:
+            with torch.inference_mode():
+                self(torch.zeros(1, 1, dtype=torch.long, device=self.device))
 
     def lm_head(self, x: torch.Tensor) -> torch.Tensor:
         # Tied to wte, whose [V, C] layout is already the [out, in] every kernel here wants.
-        return linear(x, self.wte.weight, None, self._onednn_head)
+        return linear(x, self.wte.weight, None, self.kernels)
 
     def forward(
         self,

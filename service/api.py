@@ -1,16 +1,17 @@
-"""The service's routes: TGI and OpenAI generation (own modules), plus health, info, tokenize and
-metrics here."""
+"""The service's routes: TGI and OpenAI generation and the spectral analysis (own modules), plus
+health, info, tokenize and metrics here."""
 
 from __future__ import annotations
 
 from importlib.metadata import PackageNotFoundError, version
 
 from fastapi import APIRouter, FastAPI, Request
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.concurrency import run_in_threadpool
 
-from service import routes_openai, routes_tgi
+from service import analysis_routes, routes_openai, routes_tgi
+from service.errors import error_response
 from service.schemas import Info, SimpleToken, TokenizeRequest
 from service.state import service_state
 
@@ -24,9 +25,12 @@ def package_version() -> str:
         return "unknown"
 
 
-@router.get("/health", summary="Liveness: the process serves HTTP and the model is loaded")
-async def health() -> dict:
-    return {"status": "ok"}
+@router.get("/health", summary="Liveness: the model is loaded and the engine thread is alive")
+async def health(request: Request) -> Response:
+    state = service_state(request)
+    if state.serving and not state.loop.running:
+        return error_response(503, "error", "the engine thread has stopped")
+    return JSONResponse({"status": "ok"})
 
 
 @router.get("/info", response_model=Info, summary="The model, its weights' origin, and the limits requests must respect")
@@ -72,13 +76,7 @@ async def metrics(request: Request) -> Response:
 
 def include_routes(app: FastAPI) -> list[str]:
     """Mount every router; returns the route paths (the metrics' endpoint label values)."""
-    routers = [router, routes_tgi.router, routes_openai.router]
-    try:
-        from service.analysis_routes import router as analysis_router
-    except ImportError:  # engineer D's module, not written yet
-        analysis_router = None
-    if analysis_router is not None:
-        routers.append(analysis_router)
+    routers = [router, routes_tgi.router, routes_openai.router, analysis_routes.router]
     for each in routers:
         app.include_router(each)
     return [route.path for each in routers for route in each.routes]

@@ -49,6 +49,7 @@ def build_loop(state: ServiceState) -> EngineLoop:
         max_slots=settings.max_batch_size,
         max_len=state.limits.context_length,
         max_waiting=settings.max_waiting,
+        max_prefill_tokens=settings.max_prefill_tokens,
     )
     engine = Engine(state.model, state.tokenizer, engine_config)
     return EngineLoop(engine, on_step=state.metrics.observe_step)
@@ -63,6 +64,7 @@ def create_app(settings: Settings) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         state.loop.start()
+        state.serving = True
         try:
             yield
         finally:

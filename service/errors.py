@@ -70,6 +70,11 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _request_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
         return error_response(422, "validation", describe_validation_errors(list(exc.errors())))
 
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        # A bug, not the client's fault: the same shape, no internals (the log has the traceback).
+        return error_response(500, "error", f"internal error ({type(exc).__name__})")
+
     @app.exception_handler(HTTPException)
     async def _http_error(_: Request, exc: HTTPException) -> JSONResponse:
         error_type = HTTP_ERROR_TYPES.get(exc.status_code, "error")

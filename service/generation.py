@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from starlette.requests import Request
 
 from service.errors import ApiError, overloaded_error, validation_error
+from service.loop import EngineLoop
 from service.metrics import Metrics, set_outcome
 from service.requests import (
     EngineStopped,
@@ -45,7 +46,7 @@ class Batch:
 
 
 class Generations:
-    def __init__(self, loop, metrics: Metrics, retry_after_seconds: int) -> None:
+    def __init__(self, loop: EngineLoop, metrics: Metrics, retry_after_seconds: int) -> None:
         self.loop = loop
         self.metrics = metrics
         self.retry_after_seconds = retry_after_seconds
@@ -53,14 +54,17 @@ class Generations:
 
     # --- submission ---------------------------------------------------------------------------
     def submit(self, requests: list[GenerationRequest]) -> Batch:
+        if not self.loop.running:
+            # Not started (an app used without its lifespan) or died: queued work would wait forever.
+            raise ApiError(503, "overloaded", "the engine is not running", {"Retry-After": "5"})
         try:
             queues = self.loop.submit(requests)
         except QueueFull as exc:
-            raise overloaded_error(f"too many requests waiting ({exc}); retry later", self.retry_after_seconds)
+            raise overloaded_error(f"too many requests waiting ({exc}); retry later", self.retry_after_seconds) from exc
         except EngineStopped as exc:
-            raise ApiError(503, "overloaded", f"the server is shutting down: {exc}", {"Retry-After": "5"})
+            raise ApiError(503, "overloaded", f"the server is shutting down: {exc}", {"Retry-After": "5"}) from exc
         except ValueError as exc:
-            raise validation_error(str(exc))
+            raise validation_error(str(exc)) from exc
         return Batch([Stream(r, q) for r, q in zip(requests, queues)])
 
     # --- whole answers ------------------------------------------------------------------------

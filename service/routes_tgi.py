@@ -34,7 +34,7 @@ CLIENT_GONE = 499  # nginx's code for "client closed the request": never seen by
 
 @router.post(
     "/generate",
-    response_model=GenerateResponse | list[GenerateResponse] | list[GenerateResponse | list[GenerateResponse]],
+    response_model=GenerateResponse | list[GenerateResponse | list[GenerateResponse]],
     responses=ERRORS,
     summary="Generate text (TGI schema); a list of inputs is answered as a list",
 )
@@ -51,6 +51,7 @@ async def generate(body: TGIRequest, request: Request) -> Response:
 @router.post(
     "/generate_stream",
     response_class=EventStream,
+    status_code=200,
     responses={200: {"content": {"text/event-stream": {}}, "description": "one event per token"}, **ERRORS},
     summary="Generate text as server-sent events, one per token (TGI schema)",
 )
@@ -121,7 +122,8 @@ def tgi_output(prompt: Prompt, result: FinishedRequest, p: TGIParameters, tokeni
         ranked = sorted(sequences, key=lambda s: sum(s.logprobs), reverse=True)
         best = one(ranked[0])
         if p.details:
-            best["details"]["best_of_sequences"] = [{**one(s)["details"], "generated_text": one(s)["generated_text"]} for s in ranked[1:]]
+            others = [one(s) for s in ranked[1:]]
+            best["details"]["best_of_sequences"] = [{"generated_text": o["generated_text"], **o["details"]} for o in others]
         return best
     if len(sequences) == 1:
         return one(sequences[0])

@@ -27,6 +27,7 @@ class ServiceState:
     loop: EngineLoop | None = None  # the engine's thread; started by the app's lifespan
     generations: Generations | None = None  # the HTTP side of that loop
     started_at: float = field(default_factory=time.time)
+    serving: bool = False  # the lifespan has started the engine loop
 
     def __post_init__(self) -> None:
         if self.limits is None:

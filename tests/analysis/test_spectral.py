@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from model.spectral import spectral_norm, spectral_norm_exact, spectral_norm_fast
+from model.spectral import spectral_norm, spectral_norm_exact, spectral_norm_fast, top_singular_fast
 
 FAST_TOLERANCE = 1e-4  # relative, what the service promises for method=fast
 EXACT_TOLERANCE = 1e-5  # relative, float32 LAPACK against float64
@@ -97,10 +97,20 @@ def test_fast_hands_what_it_cannot_certify_to_lapack() -> None:
     assert torch.equal(spectral_norm_fast(matrices, rtol=0.0, max_iterations=2), exact)
 
 
-def test_fast_uses_the_column_sums_it_is_given_only_as_a_start() -> None:
+def test_start_vectors_change_the_speed_never_the_value() -> None:
     matrices = attention_like(40, 2.0, 3, seed=11)
-    misleading = torch.rand(3, 40, generator=torch.Generator().manual_seed(12))
-    assert relative_error(spectral_norm_fast(matrices, column_sums=misleading), spectral_norm_exact(matrices)) < FAST_TOLERANCE
+    exact = spectral_norm_exact(matrices)
+    generator = torch.Generator().manual_seed(12)
+    misleading_sums = torch.rand(3, 40, generator=generator)
+    misleading_rows = torch.randn(3, 5, 40, generator=generator)
+    for column_sums, warm_start in ((misleading_sums, None), (None, misleading_rows), (misleading_sums, misleading_rows)):
+        assert relative_error(top_singular_fast(matrices, column_sums, warm_start).sigma, exact) < FAST_TOLERANCE
+    # The vectors it returns start a similar batch: the same heads, slightly changed.
+    first = top_singular_fast(matrices)
+    nearby = causal_softmax(torch.log(matrices) + 0.05 * torch.randn(3, 40, 40, generator=generator))
+    again = top_singular_fast(nearby, warm_start=first.vectors)
+    assert first.vectors.shape == (3, 16, 40)
+    assert relative_error(again.sigma, spectral_norm_exact(nearby)) < FAST_TOLERANCE
 
 
 def test_batch_shape_and_determinism() -> None:

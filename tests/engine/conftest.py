@@ -19,16 +19,6 @@ from weights.tokenizer import GPT2Tokenizer
 _ids = itertools.count()
 
 
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    """Tiny models gain nothing from two threads, and on a busy shared machine OpenMP threads
-    waiting for each other made each small op ~100x slower. Restored after each test."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="session")
 def tiny_model(tiny_model_dir: Path):
     return load_model(tiny_model_dir)

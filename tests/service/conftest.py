@@ -17,9 +17,10 @@ from tests.model.hf_reference import load_reference
 
 # Log-probabilities of two implementations of the same fp32 arithmetic.
 LOGPROB_TOLERANCE = 1e-4
-# A tiny model with a long context: generations that last long enough for a test to act while
-# they run (the 128-token TINY context would end them in milliseconds).
-LONG_CONTEXT = TINY.with_(n_positions=1024)
+# A small model with a long context: generations that last seconds, long enough for a test to act
+# while they run (TINY's 128-token context ends them in milliseconds, and at 64 wide a 900-token
+# answer takes under two seconds, less than a busy server's HTTP side may lag behind its engine).
+LONG_CONTEXT = TINY.with_(n_positions=1024, n_embd=256, n_layer=4)
 
 
 def settings_for(model_dir: Path, **overrides) -> Settings:

@@ -84,3 +84,21 @@ def test_stream_concatenates_to_the_completion(client):
     reasons = [c["finish_reason"] for chunk in chunks[:-1] for c in chunk["choices"] if c["finish_reason"]]
     assert reasons == [whole["choices"][0]["finish_reason"]]
     assert len({chunk["id"] for chunk in chunks}) == 1
+
+
+@pytest.mark.parametrize("echo", [False, True])
+def test_stream_of_several_prompts_and_choices_matches_whole(client, echo):
+    body = {"prompt": ["First prompt", "Second one"], "n": 2, "max_tokens": 6, "temperature": 1.0, "seed": 21, "echo": echo}
+    whole = complete(client, **body)
+    with client.stream("POST", "/v1/completions", json={"model": "gpt2", "stream": True, **body}) as response:
+        chunks = [c for c in sse_payloads(response.iter_lines()) if c != "[DONE]"]
+    texts: dict[int, str] = {}
+    reasons: dict[int, list[str]] = {}
+    for chunk in chunks:
+        for c in chunk["choices"]:
+            texts[c["index"]] = texts.get(c["index"], "") + c["text"]
+            if c["finish_reason"]:
+                reasons.setdefault(c["index"], []).append(c["finish_reason"])
+    # Seeded: the streamed choices are the same completions, interleaved as they were produced.
+    assert texts == {c["index"]: c["text"] for c in whole["choices"]}
+    assert reasons == {c["index"]: [c["finish_reason"]] for c in whole["choices"]}

@@ -143,3 +143,22 @@ def test_bearer_auth(tiny_model_dir):
         assert locked.post("/generate", json=body, headers={"Authorization": "Bearer s3cret"}).status_code == 200
         assert locked.get("/health").status_code == 200
         assert locked.get("/metrics").status_code == 200
+
+
+def test_openapi_documents_every_route(client):
+    assert client.get("/docs").status_code == 200
+    paths = client.get("/openapi.json").json()["paths"]
+    for path in ("/generate", "/generate_stream", "/", "/v1/completions", "/v1/models", "/health", "/info",
+                 "/tokenize", "/metrics", "/analyze/spectrum"):
+        assert path in paths, path
+    # The bounds are documented, not only enforced.
+    top_p = client.get("/openapi.json").json()["components"]["schemas"]["TGIParameters"]["properties"]["top_p"]
+    assert {"type": "number", "exclusiveMinimum": 0.0, "maximum": 1.0} in top_p["anyOf"]
+
+
+def test_generation_without_a_running_engine_is_503_not_a_hang(tiny_model_dir):
+    # No `with`: the lifespan that starts the engine thread never runs.
+    client = TestClient(create_app(settings_for(tiny_model_dir)))
+    response = client.post("/generate", json={"inputs": "x", "parameters": {"max_new_tokens": 1}})
+    assert response.status_code == 503
+    assert response.json()["error_type"] == "overloaded" and "not running" in response.json()["error"]
