@@ -147,7 +147,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--dtype", choices=DTYPES, default="float32")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument(
-        "--compile-rows", action="store_true", help="our one-row products through inductor (model.prepare)"
+        "--unpacked", action="store_true", help="our model on PyTorch's default kernels (no oneDNN packing)"
     )
     parser.add_argument("--quick", action="store_true", help="small sizes and one repetition")
     parser.add_argument("--only", choices=SECTIONS, action="append", help="run only these sections")
@@ -171,10 +171,10 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     sections = args.only or SECTIONS
     print(describe_machine())
-    print(f"{args.model_dir}, {args.dtype}, prompt {args.prompt_len} tokens, compile_rows={args.compile_rows}\n")
+    print(f"{args.model_dir}, {args.dtype}, prompt {args.prompt_len} tokens, packed weights={not args.unpacked}\n")
     ours, reference = load_both(args.model_dir, DTYPES[args.dtype])
-    if args.compile_rows:
-        ours.prepare(compile_rows=True)
+    if args.unpacked:
+        ours.prepare(use_packed=False)
     tokenizer = GPT2Tokenizer.from_dir(args.model_dir)
     slots = max(args.concurrent, 4)
     max_len = args.prompt_len + max(args.new_tokens, args.beam_tokens, args.concurrent_tokens)

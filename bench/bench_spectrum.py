@@ -43,7 +43,9 @@ def document_recipe(model, ids: list[int]) -> tuple[torch.Tensor, float]:
     started = time.perf_counter()
     attentions = model(torch.tensor([ids]), output_attentions=True).attentions
     forward = time.perf_counter() - started
-    sigmas = torch.stack([torch.stack([torch.linalg.svdvals(head.float()).max() for head in layer[0]]) for layer in attentions])
+    sigmas = torch.stack(
+        [torch.stack([torch.linalg.svdvals(head.float()).max() for head in layer[0]]) for layer in attentions]
+    )  # [L, H]
     return sigmas, forward
 
 
@@ -69,7 +71,8 @@ def main() -> None:
     ids = text_of(GPT2Tokenizer.from_dir(args.model_dir), args.tokens)
     config = ours.config
     print(describe_machine())
-    print(f"{config.n_layer} layers x {config.n_head} heads = {config.n_layer * config.n_head} matrices of {len(ids)}x{len(ids)}")
+    count = config.n_layer * config.n_head
+    print(f"{config.n_layer} layers x {config.n_head} heads = {count} matrices of {len(ids)}x{len(ids)}")
 
     # Warm-up: first touches of large buffers, and our weight spectra (computed once per model).
     analyze(ours, [ids], "fast")

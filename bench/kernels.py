@@ -3,10 +3,11 @@
     .venv/bin/python -m bench.kernels --threads 1 --rows 1 8 32
 
 For each batch size (rows of x) it times every GPT-2 124M block matrix plus the LM head with:
-MKL `addmm` on the checkpoint's [in, out] layout (the eager default, as transformers runs it),
-`F.linear` on [out, in], oneDNN's inner product on [out, in] (model/linear.py), and, as the
-ceiling, a plain read of the same bytes (`sum`). Effective GB/s = weight bytes / time. Times are
-CPU seconds of this process (time.process_time), interleaved, best of --reps.
+`addmm` on the checkpoint's [in, out] layout (PyTorch's default, as transformers runs it; MKL
+on CPU), `F.linear` on [out, in], oneDNN's inner product on the plain [out, in] weight and on
+the packed one (model/linear.py), and, as the ceiling, a plain read of the same bytes (`sum`).
+Effective GB/s = weight bytes / time. Times are CPU seconds of this process
+(time.process_time), interleaved, best of --reps.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.common import DTYPES, interleaved
+from model.linear import linear, pack
 
 # (in, out) of c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj, then the tied LM head.
 BLOCK_SHAPES = [(768, 2304), (768, 768), (768, 3072), (3072, 768)]
@@ -26,11 +28,13 @@ VOCAB = 50257
 
 
 def kernels(x: torch.Tensor, w_in_out: torch.Tensor, w_out_in: torch.Tensor, bias: torch.Tensor | None):
+    packed = pack(w_out_in)
     return {
-        "mkl addmm [in,out]": lambda: torch.addmm(bias, x, w_in_out) if bias is not None else x @ w_in_out,
+        "addmm [in,out]": lambda: torch.addmm(bias, x, w_in_out) if bias is not None else x @ w_in_out,
         "F.linear [out,in]": lambda: F.linear(x, w_out_in, bias),
-        "onednn [out,in]": lambda: torch.ops.mkldnn._linear_pointwise(x, w_out_in, bias, "none", [], ""),
-        "read bytes (sum)": lambda: w_out_in.sum(),
+        "onednn": lambda: torch.ops.mkldnn._linear_pointwise(x, w_out_in, bias, "none", [], ""),
+        "onednn packed": lambda: linear(x, w_out_in, bias, packed),
+        "read (sum)": lambda: w_out_in.sum(),
     }
 
 

@@ -94,4 +94,10 @@ def seed_prenorm(n_tokens: int, seed_logit_bound: torch.Tensor) -> torch.Tensor:
 
 
 def _spectral_norms(matrices: torch.Tensor) -> torch.Tensor:
-    return torch.linalg.matrix_norm(matrices, ord=2)
+    """‖W‖₂ of each [..., r, c] matrix as sqrt(λ_max) of its Gram matrix on the smaller side.
+
+    A symmetric eigenvalue problem of at most 768² runs about 10x faster on CPU than the SVD of
+    a 768 × 3072 MLP weight; in float64 the square root loses nothing that matters here.
+    """
+    gram = matrices.mT @ matrices if matrices.shape[-1] <= matrices.shape[-2] else matrices @ matrices.mT  # [..., k, k]
+    return torch.linalg.eigvalsh(gram)[..., -1].clamp_min(0).sqrt()

@@ -6,15 +6,10 @@ service decodes through service/engine.py, which adds scheduling, sampling and s
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from model.gpt2 import GPT2
 from model.kv_cache import KVCache
-
-# (input_ids [B, 1], positions [B, 1], kv_length) -> logits [B, V] of the step's one token.
-DecodeStep = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
 
 
 @torch.inference_mode()
@@ -23,12 +18,8 @@ def greedy_generate(
     prompt_ids: torch.Tensor,
     max_new_tokens: int,
     cache: KVCache | None = None,
-    decode_step: DecodeStep | None = None,
 ) -> torch.Tensor:
-    """Greedy tokens [B, max_new_tokens] after equal-length prompts [B, T], one cache slot per row.
-
-    `decode_step` replaces the plain forward for the one-token steps (e.g. a compiled one).
-    """
+    """Greedy tokens [B, max_new_tokens] after equal-length prompts [B, T], one cache slot per row."""
     batch, prompt_length = prompt_ids.shape
     total = prompt_length + max_new_tokens
     if cache is None:
@@ -38,22 +29,14 @@ def greedy_generate(
         rows = cache.batch(slots)
         last = torch.full((batch,), prompt_length - 1, device=model.device)  # [B]
         logits = model(prompt_ids, cache=cache, rows=rows, logits_index=last).logits  # [B, V]
-        step = decode_step or _plain_step(model, cache, rows)
         tokens = [logits.argmax(-1)]  # each [B]
         for position in range(prompt_length, total - 1):
             positions = torch.full((batch, 1), position, device=model.device)  # [B, 1]
-            logits = step(tokens[-1][:, None], positions, position + 1)  # [B, V]
-            tokens.append(logits.argmax(-1))
+            out = model(tokens[-1][:, None], positions, cache, rows, kv_length=position + 1)
+            tokens.append(out.logits[:, -1].argmax(-1))  # [B]
         return torch.stack(tokens, dim=1)  # [B, max_new_tokens]
     finally:
         cache.free(slots)
-
-
-def _plain_step(model: GPT2, cache: KVCache, rows) -> DecodeStep:
-    def step(input_ids: torch.Tensor, positions: torch.Tensor, kv_length: int) -> torch.Tensor:
-        return model(input_ids, positions, cache, rows, kv_length=kv_length).logits[:, -1]  # [B, V]
-
-    return step
 
 
 @torch.inference_mode()

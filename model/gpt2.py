@@ -15,7 +15,7 @@ from torch import nn
 
 from model.config import GPT2Config
 from model.kv_cache import KVCache, SlotBatch
-from model.linear import REFERENCE, Conv1D, Kernels, linear
+from model.linear import Conv1D, linear, pack
 
 
 class MLP(nn.Module):
@@ -111,7 +111,7 @@ class GPT2(nn.Module):
         self.wpe = nn.Embedding(config.n_positions, config.n_embd)
         self.h = nn.ModuleList(Block(config, i) for i in range(config.n_layer))
         self.ln_f = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
-        self.kernels = REFERENCE
+        self._lm_head_packed: torch.Tensor | None = None
 
     @property
     def device(self) -> torch.device:
@@ -121,24 +121,21 @@ class GPT2(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.wte.weight.dtype
 
-    def prepare(self, compile_rows: bool = False) -> None:
-        """Choose weight layouts and kernels for the current device and dtype (model/linear.py).
+    def prepare(self, use_packed: bool = True) -> None:
+        """Lay the weights out for the current device and dtype (model/linear.py explains).
 
-        Call after loading or moving the model (load_model does). Without it the model computes
-        the same function with PyTorch's default kernels. compile_rows: one-row products (batch-1
-        decode) on CPU through inductor-generated loops; compiles them now, taking seconds.
+        Call after loading, moving or converting the model (load_model does). Without it, or
+        with use_packed=False, the model computes the same function with PyTorch's default
+        kernels (the reference the fast path is tested against).
         """
-        self.kernels = Kernels.choose(self.device, self.dtype, compile_rows)
+        self._lm_head_packed = pack(self.wte.weight) if use_packed else None
         for module in self.modules():
             if isinstance(module, Conv1D):
-                module.prepare(self.kernels)
-        if self.kernels.compiled_rows:
-            with torch.inference_mode():
-                self(torch.zeros(1, 1, dtype=torch.long, device=self.device))
+                module.prepare(use_packed)
 
     def lm_head(self, x: torch.Tensor) -> torch.Tensor:
         # Tied to wte, whose [V, C] layout is already the [out, in] every kernel here wants.
-        return linear(x, self.wte.weight, None, self.kernels)
+        return linear(x, self.wte.weight, None, self._lm_head_packed)
 
     def forward(
         self,

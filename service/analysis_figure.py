@@ -28,8 +28,9 @@ def render_svg(report: dict) -> str:
     # Figure directly, not pyplot: no global state, safe in worker threads.
     figure = Figure(figsize=(7.5, 4.8), layout="constrained")
     axes = figure.add_subplot()
-    axes.fill_between(layers, [n["min"] for n in norms], [n["max"] for n in norms], alpha=0.25, label="min–max over texts and heads")
-    (mean_line,) = axes.plot(layers, [n["mean"] for n in norms], marker="o", label="mean ‖A‖₂ (the document's figure)")
+    lows, highs, means = ([n[key] for n in norms] for key in ("min", "max", "mean"))
+    axes.fill_between(layers, lows, highs, alpha=0.25, label="min–max over texts and heads")
+    (mean_line,) = axes.plot(layers, means, marker="o", label="mean ‖A‖₂ (the document's figure)")
     mean_line.set_gid(MEAN_GID)
     axes.axhline(1.0, color="black", linewidth=0.8, linestyle=":", label="lower bound 1")
     off_scale = []

@@ -81,20 +81,24 @@ async def _spectrum(
     settings = state.settings
     count = len(texts if texts is not None else token_ids)
     if count > settings.analysis_max_texts:
-        raise validation_error(f"{count} texts given; this server analyses at most {settings.analysis_max_texts} per request")
+        raise validation_error(
+            f"{count} texts given; this server analyses at most {settings.analysis_max_texts} per request"
+        )
     config = state.model.config
     with _invalid_is_422():
         check_layers(config, layers)
     gate = _gate(request, settings.analysis_max_concurrent)
     if not gate.acquire(blocking=False):
         raise overloaded_error(
-            f"{settings.analysis_max_concurrent} analyses are already running; retry later", settings.retry_after_seconds
+            f"{settings.analysis_max_concurrent} analyses are already running; retry later",
+            settings.retry_after_seconds,
         )
     try:
         if token_ids is None:
             token_ids = await run_in_threadpool(state.tokenizer.encode_batch, texts)
         with _invalid_is_422():
-            check_sequences(config, token_ids, settings.analysis_max_tokens, "text" if texts is not None else "token_ids")
+            what = "text" if texts is not None else "token_ids"
+            check_sequences(config, token_ids, settings.analysis_max_tokens, what)
         started = time.perf_counter()
         body = await run_in_threadpool(_run, state, token_ids, method, layers, format)
         state.metrics.analysis_duration.observe(time.perf_counter() - started)

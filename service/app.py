@@ -6,10 +6,13 @@ Request path: BearerAuth (optional) → RequestMetrics → BodyLimit (413 before
 
 from __future__ import annotations
 
+import threading
 from contextlib import asynccontextmanager
 
 import torch
 from fastapi import FastAPI
+
+from model.analysis import cached_weight_spectra
 
 from service.api import include_routes
 from service.auth import BearerAuthMiddleware
@@ -64,6 +67,9 @@ def create_app(settings: Settings) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         state.loop.start()
+        # Weight spectra depend on the weights only: compute them once now, off the request path,
+        # so the first /analyze/spectrum does not pay for them (seconds on the larger models).
+        threading.Thread(target=cached_weight_spectra, args=(state.model,), daemon=True).start()
         state.serving = True
         try:
             yield

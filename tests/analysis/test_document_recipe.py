@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from model.analysis import analyze
+from model.spectral import LAPACK_BELOW
 from tests.analysis.conftest import TEXTS
 from tests.analysis.document_recipe import (
     document_sigmas,
@@ -53,9 +54,13 @@ def check_against_recipe(model, document_model, token_ids: list[list[int]], meth
 
 @pytest.mark.parametrize("method,rtol", [("exact", FLOAT32_RTOL), ("fast", FAST_RTOL)])
 def test_tiny_model_matches_the_document_recipe(tiny_model, tiny_document_model, document_tokenizer, method, rtol) -> None:
-    # The document tokenizes with transformers' AutoTokenizer; the texts have different lengths.
+    # The document tokenizes with transformers' AutoTokenizer; the texts have different lengths,
+    # the last one long enough for method=fast to iterate rather than hand over to LAPACK.
+    long_text = " ".join(TEXTS * 4)
     token_ids = [document_tokenizer(text)["input_ids"] for text in TEXTS]
-    assert len({len(ids) for ids in token_ids}) == len(TEXTS)
+    token_ids.append(document_tokenizer(long_text)["input_ids"][: tiny_model.config.n_positions])
+    assert len({len(ids) for ids in token_ids}) == len(token_ids)
+    assert len(token_ids[-1]) >= LAPACK_BELOW
     check_against_recipe(tiny_model, tiny_document_model, token_ids, method, rtol)
 
 
@@ -96,5 +101,17 @@ def default_models(default_model_dir):
 @pytest.mark.parametrize("method,rtol", [("exact", FLOAT32_RTOL), ("fast", FAST_RTOL)])
 def test_default_124m_model_matches_the_document_recipe(default_models, method, rtol) -> None:
     model, document_model, tokenizer = default_models
-    ids = tokenizer("Pre-LN keeps the attention of GPT-2 nearly non-expansive.")["input_ids"]
+    # Short, but long enough for method=fast to iterate rather than hand over to LAPACK.
+    ids = tokenizer(" ".join(TEXTS * 3))["input_ids"][: LAPACK_BELOW + 8]
     check_against_recipe(model, document_model, [ids], method, rtol)
+
+
+def test_a_bfloat16_served_model_is_measured_on_float32_probabilities(tiny_model_dir, tiny_model, document_tokenizer) -> None:
+    token_ids = [document_tokenizer(text)["input_ids"] for text in TEXTS]
+    served = load_model(tiny_model_dir, dtype=torch.bfloat16)
+    report = analyze(served, token_ids, "fast")
+    assert all(s.spectral_norm.dtype == torch.float32 for s in report.sequences)
+    # bfloat16 weights give slightly different probabilities (8-bit mantissas), not other ones.
+    full = analyze(tiny_model, token_ids, "fast").to_dict()
+    for ours, reference in zip(report.to_dict()["layers"], full["layers"]):
+        assert ours["spectral_norm"]["mean"] == pytest.approx(reference["spectral_norm"]["mean"], rel=2e-2)

@@ -6,7 +6,14 @@ import numpy as np
 import pytest
 import torch
 
-from model.spectral import spectral_norm, spectral_norm_exact, spectral_norm_fast, top_singular_fast
+from model.spectral import (
+    LAPACK_BELOW,
+    spectral_norm,
+    spectral_norm_exact,
+    spectral_norm_fast,
+    top_singular,
+    top_singular_fast,
+)
 
 FAST_TOLERANCE = 1e-4  # relative, what the service promises for method=fast
 EXACT_TOLERANCE = 1e-5  # relative, float32 LAPACK against float64
@@ -114,12 +121,21 @@ def test_start_vectors_change_the_speed_never_the_value() -> None:
 
 
 def test_batch_shape_and_determinism() -> None:
-    matrices = attention_like(24, 1.0, 6, seed=5).reshape(2, 3, 24, 24)
+    n = LAPACK_BELOW + 4  # large enough for the iteration
+    matrices = attention_like(n, 1.0, 6, seed=5).reshape(2, 3, n, n)
     torch.manual_seed(0)
     first = spectral_norm(matrices, "fast")
     torch.manual_seed(1)
     assert torch.equal(first, spectral_norm(matrices, "fast"))
     assert first.shape == (2, 3)
-    assert relative_error(first.flatten(), float64_reference(matrices.reshape(6, 24, 24))) < FAST_TOLERANCE
+    assert relative_error(first.flatten(), float64_reference(matrices.reshape(6, n, n))) < FAST_TOLERANCE
     with pytest.raises(ValueError, match="unknown method"):
         spectral_norm(matrices, "svd")
+
+
+def test_fast_leaves_small_matrices_to_lapack() -> None:
+    small = attention_like(LAPACK_BELOW - 1, 1.0, 3, seed=6)
+    top = top_singular(small, "fast")
+    assert torch.equal(top.sigma, spectral_norm_exact(small)) and top.vectors is None
+    large = attention_like(LAPACK_BELOW, 1.0, 3, seed=6)
+    assert top_singular(large, "fast").vectors is not None

@@ -1,0 +1,97 @@
+"""Where one decode step's time goes: torch.profiler's operator table, per step.
+
+    .venv/bin/python -m bench.profile_decode --threads 1 --batch 1
+    .venv/bin/python -m bench.profile_decode --threads 1 --batch 32 --engine
+    .venv/bin/python -m bench.profile_decode --threads 1 --batch 1 --unpacked   # PyTorch's kernels
+
+--engine profiles whole engine steps (scheduling, sampling, streaming included) instead of bare
+model forwards. Also prints the weight bytes a step reads and the bandwidth that implies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from bench.common import DTYPES, describe_machine, weight_bytes
+from model.kv_cache import KVCache
+from service.engine import Engine, EngineConfig
+from service.requests import GenerationRequest, SamplingParams
+from weights.checkpoint import load_model
+from weights.tokenizer import GPT2Tokenizer
+
+
+def model_steps(model, batch: int, context: int):
+    cache = KVCache(model.config, batch, context + 64, model.device, model.dtype)
+    rows = cache.batch(cache.allocate(batch))
+    ids = torch.randint(0, model.config.vocab_size, (batch, context))  # [B, T]
+    model(ids, cache=cache, rows=rows)
+    token = ids[:, -1:]  # [B, 1]
+    position = torch.full((batch, 1), context)  # [B, 1]
+
+    def step():
+        model(token, position, cache, rows, kv_length=context + 1)
+
+    return step
+
+
+def engine_steps(model, tokenizer, batch: int, context: int, steps: int):
+    engine = Engine(model, tokenizer, EngineConfig(max_slots=batch, max_len=context + 4 * steps + 8))
+    params = SamplingParams(max_new_tokens=4 * steps + 4, ignore_eos=True)
+    now = time.monotonic()
+    engine.submit(
+        [GenerationRequest(f"p{i}", torch.randint(0, 50000, (context,)).tolist(), params, now) for i in range(batch)]
+    )
+    engine.step()  # the prefill
+    return engine.step
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model-dir", type=Path, default=Path("weights/gpt2"))
+    parser.add_argument("--dtype", choices=DTYPES, default="float32")
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--context", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--unpacked", action="store_true", help="PyTorch's default kernels")
+    parser.add_argument("--engine", action="store_true")
+    parser.add_argument("--rows", type=int, default=15, help="operators shown")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model = load_model(args.model_dir, dtype=DTYPES[args.dtype])
+    model.prepare(use_packed=not args.unpacked)
+    with torch.inference_mode():
+        if args.engine:
+            step = engine_steps(model, GPT2Tokenizer.from_dir(args.model_dir), args.batch, args.context, args.steps)
+        else:
+            step = model_steps(model, args.batch, args.context)
+        for _ in range(3):
+            step()
+        cpu_start, wall_start = time.process_time(), time.perf_counter()
+        for _ in range(args.steps):
+            step()
+        cpu = (time.process_time() - cpu_start) / args.steps
+        wall = (time.perf_counter() - wall_start) / args.steps
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(args.steps):
+                step()
+    print(describe_machine())
+    nbytes = weight_bytes(model)
+    print(
+        f"batch {args.batch}, context {args.context}, {args.dtype}, packed={not args.unpacked},"
+        f" engine={args.engine}: {wall * 1e3:.1f} ms/step wall, {cpu * 1e3:.1f} ms CPU;"
+        f" {args.batch / wall:.0f} tokens/s; weights {nbytes / 1e6:.0f} MB -> {nbytes / cpu / 1e9:.1f} GB/s"
+        " per CPU second"
+    )
+    print(f"operators, totals over {args.steps} steps:")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows))
+
+
+if __name__ == "__main__":
+    main()
