@@ -4,7 +4,8 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PORT   ?= 8000
 HOST   ?= 127.0.0.1
-MODEL_DIR ?= weights/gpt2
+DEFAULT_MODEL_DIR := weights/gpt2
+MODEL_DIR ?= $(DEFAULT_MODEL_DIR)
 # The CPU build of torch; a bare `torch` requirement could pull a multi-GB CUDA build.
 TORCH_CPU := torch==2.13.0
 
@@ -20,7 +21,7 @@ $(VENV)/.installed: pyproject.toml
 install: $(VENV)/.installed
 
 weights: install
-	$(PY) -m weights.prepare --out $(MODEL_DIR)
+	$(PY) -m weights.prepare --out $(DEFAULT_MODEL_DIR)
 
 serve: weights
 	$(PY) -m service --model-dir $(MODEL_DIR) --host $(HOST) --port $(PORT)

@@ -87,6 +87,9 @@ def prepare(
     force: bool = False,
     config: GPT2Config = PRESETS["gpt2"],
 ) -> dict:
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not (out_dir / ORIGIN_FILE).exists():
+        # Someone's own model folder: replacing it would destroy their checkpoint.
+        raise FileExistsError(f"{out_dir} holds files weights.prepare did not write; not replacing them")
     if is_prepared(out_dir) and not force:
         return read_origin(out_dir)
     tmp = out_dir.with_name(out_dir.name + ".partial")
@@ -128,7 +131,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--force", action="store_true")
     parser.add_argument("--preset", choices=list(PRESETS), default="gpt2", help="random-init size")
     args = parser.parse_args(argv)
-    origin = prepare(args.out, args.source, args.seed, args.force, PRESETS[args.preset])
+    try:
+        origin = prepare(args.out, args.source, args.seed, args.force, PRESETS[args.preset])
+    except FileExistsError as exc:
+        sys.exit(str(exc))
     print(f"{args.out}: {json.dumps(origin)}")
 
 

@@ -98,3 +98,16 @@ def test_failed_hub_download_falls_back_in_auto_only(tmp_path, network, monkeypa
     origin = prepare(tmp_path / "auto", source="auto", seed=SEED, config=TINY)
     assert network["downloads"][:1] == ["config.json"]
     assert origin["source"] == "random-init" and is_prepared(tmp_path / "auto")
+
+
+def test_a_folder_it_did_not_write_is_never_replaced(tmp_path, network, tiny_model_dir):
+    """Pointing --out at someone's own model folder must not delete their checkpoint."""
+    theirs = tmp_path / "their-model"
+    theirs.mkdir()
+    for f in tiny_model_dir.iterdir():
+        (theirs / f.name).write_bytes(f.read_bytes())
+    before = {f.name: f.read_bytes() for f in theirs.iterdir()}
+    for force in (False, True):
+        with pytest.raises(FileExistsError, match="did not write"):
+            prepare(theirs, source="random", seed=SEED, force=force, config=TINY)
+    assert {f.name: f.read_bytes() for f in theirs.iterdir()} == before
