@@ -1,7 +1,7 @@
 """Generation speed: our model and engine against transformers' generate(), same weights, same run.
 
-    .venv/bin/python -m bench.bench_generate                 # fp32, full sizes (~10 min on 2 cores)
-    .venv/bin/python -m bench.bench_generate --quick         # small sizes, a sanity check (~2 min)
+    .venv/bin/python -m bench.bench_generate                 # fp32, full sizes (~8-10 min on 2 cores)
+    .venv/bin/python -m bench.bench_generate --quick         # small sizes, a sanity check (~1-2 min)
     .venv/bin/python -m bench.bench_generate --dtype bfloat16 --threads 1 --only greedy
 
 Every row alternates the two implementations run by run (see common.interleaved), and the ratio
@@ -25,7 +25,7 @@ from service.engine import Engine, EngineConfig
 from service.requests import GenerationRequest, SamplingParams
 from weights.tokenizer import GPT2Tokenizer
 
-SECTIONS = ("greedy", "beam", "concurrent", "context")
+SECTIONS = ("greedy", "beam", "concurrent", "prefill", "context")
 
 
 def random_prompts(count: int, length: int, vocab: int, seed: int = 0) -> torch.Tensor:
@@ -114,6 +114,27 @@ def concurrent_rows(ours, reference, engine, args) -> list[Row]:
     ]
 
 
+def prefill_rows(ours, reference, args) -> list[Row]:
+    """One long prompt through the model, only the last position's logits (as generate() does)."""
+    length = min(args.prefill_len, ours.config.n_positions)
+    prompt = random_prompts(1, length, ours.config.vocab_size, seed=4)
+    last = torch.tensor([length - 1])
+
+    def hf():
+        return reference(prompt, logits_to_keep=1).logits[:, -1]
+
+    def model_forward():
+        return ours(prompt, logits_index=last).logits
+
+    diff = (hf().float() - model_forward().float()).abs().max().item()
+    t = interleaved({"hf": hf, "model": model_forward}, args.reps)
+    return [
+        Row(f"prefill {length} tokens, model forward", length / statistics.median(t["hf"]),
+            length / statistics.median(t["model"]), paired_ratio(t["hf"], t["model"]),
+            f"max |logit diff| {diff:.1e}")
+    ]
+
+
 @torch.inference_mode()
 def context_table(ours, args) -> None:
     """Per-token decode cost at several context lengths: one cached step vs recomputing the prefix."""
@@ -157,6 +178,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--beam-tokens", type=int, default=64)
     parser.add_argument("--concurrent", type=int, default=32)
     parser.add_argument("--concurrent-tokens", type=int, default=128)
+    parser.add_argument("--prefill-len", type=int, default=512)
     parser.add_argument("--contexts", type=int, nargs="+", default=[16, 128, 256, 512, 1000])
     args = parser.parse_args()
     if args.quick:
@@ -187,6 +209,8 @@ def main() -> None:
             rows += beam_rows(ours, reference, engine, args)
         if "concurrent" in sections:
             rows += concurrent_rows(ours, reference, engine, args)
+        if "prefill" in sections:
+            rows += prefill_rows(ours, reference, args)
     if rows:
         print_table(rows)
     if "context" in sections:
