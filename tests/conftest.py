@@ -45,6 +45,15 @@ def write_tiny_model(
     return out_dir
 
 
+def assert_validation_error(response, *words: str) -> None:
+    """The service's 422: error_type "validation" and a message naming what is wrong."""
+    assert response.status_code == 422, response.text
+    body = response.json()
+    assert body["error_type"] == "validation", body
+    for word in words:
+        assert word in body["error"], (word, body["error"])
+
+
 @pytest.fixture(autouse=True, scope="session")
 def single_thread():
     """Tests run tiny tensors: one intra-op thread avoids the hand-off cost that dominates them

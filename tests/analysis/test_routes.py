@@ -12,19 +12,11 @@ from service import analysis_routes
 from service.analysis_figure import MEAN_GID, SVG_MEDIA_TYPE
 from tests.analysis.conftest import ANALYSIS_MAX_TOKENS, TEXTS
 from tests.analysis.document_recipe import document_curve
-from tests.conftest import TINY
+from tests.conftest import TINY, assert_validation_error
 
 URL = "/analyze/spectrum"
 SVG_NS = "{http://www.w3.org/2000/svg}"
 XLINK_HREF = "{http://www.w3.org/1999/xlink}href"
-
-
-def assert_validation_error(response, *words: str) -> None:
-    assert response.status_code == 422, response.text
-    body = response.json()
-    assert body["error_type"] == "validation", body
-    for word in words:
-        assert word in body["error"], (word, body["error"])
 
 
 def means(report: dict) -> list[float]:

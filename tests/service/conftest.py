@@ -75,11 +75,3 @@ def sse_payloads(lines) -> list:
             data = line[len("data:"):].strip()
             payloads.append(data if data == "[DONE]" else json.loads(data))
     return payloads
-
-
-def assert_validation_error(response, *words: str) -> None:
-    assert response.status_code == 422, response.text
-    body = response.json()
-    assert body["error_type"] == "validation", body
-    for word in words:
-        assert word in body["error"], (word, body["error"])

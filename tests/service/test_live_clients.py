@@ -11,6 +11,7 @@ import subprocess
 from pathlib import Path
 
 import httpx
+import huggingface_hub.constants
 import pytest
 from huggingface_hub import InferenceClient
 from openai import OpenAI
@@ -32,6 +33,9 @@ def server(tiny_model_dir):
 @pytest.fixture
 def hf(server, monkeypatch):
     forbid_network(monkeypatch)
+    # HF_HUB_OFFLINE=1 (set in CI) makes the client refuse every request, loopback included; the
+    # network stays forbidden by forbid_network, so lifting it here reaches only our server.
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
     return InferenceClient(base_url=server.url, timeout=60)
 
 

@@ -8,7 +8,8 @@ from fastapi.testclient import TestClient
 
 from service.app import create_app
 from tests.conftest import TINY
-from tests.service.conftest import assert_validation_error, settings_for
+from tests.conftest import assert_validation_error
+from tests.service.conftest import settings_for
 
 LONG_TEXT = "word " * 200  # ~200 tokens: more than TINY's 128-token context
 
