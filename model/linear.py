@@ -31,6 +31,9 @@ def onednn_serves(device: torch.device, dtype: torch.dtype) -> bool:
         and dtype in (torch.float32, torch.bfloat16)
         and torch.backends.mkldnn.enabled
         and torch.backends.mkldnn.is_available()
+        # Inductor's private ops: a torch build without them falls back to F.linear.
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
     )
 
 
