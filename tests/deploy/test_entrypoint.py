@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,6 +15,7 @@ import pytest
 
 from model.config import PRESETS, GPT2Config
 from tests.deploy.deploy_files import DEPLOY, REPO
+from tests.processes import free_port
 from weights.prepare import is_prepared, read_origin
 
 ENTRYPOINT = DEPLOY / "docker" / "entrypoint.sh"
@@ -28,12 +28,6 @@ def container_env(**variables: str) -> dict[str, str]:
     # The image's `python` is the one on PATH; here, the venv's.
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     return {**env, "GPT2_OFFLINE": "1", **variables}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def healthcheck(port: int) -> subprocess.CompletedProcess:

@@ -16,7 +16,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import REPO
-from tests.weights.test_service_startup import STARTUP_TIMEOUT_S, clean_env, free_port
+from tests.processes import STARTUP_TIMEOUT_S, clean_env, free_port
 
 WAIT_S = 60  # every wait for the server to reach a state is bounded by this
 

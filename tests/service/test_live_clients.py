@@ -17,7 +17,7 @@ from huggingface_hub import InferenceClient
 from openai import OpenAI
 
 from tests.service.live import WAIT_S, forbid_network, live_server, wait_until
-from tests.weights.test_service_startup import free_port
+from tests.processes import free_port
 
 pytestmark = pytest.mark.slow
 

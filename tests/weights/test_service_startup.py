@@ -3,8 +3,6 @@ a good one serves /health. Real subprocesses, loopback only, bounded waits, alwa
 
 from __future__ import annotations
 
-import os
-import socket
 import subprocess
 import sys
 import time
@@ -14,25 +12,13 @@ import httpx
 import pytest
 
 from tests.conftest import REPO, write_tiny_model
+from tests.processes import STARTUP_TIMEOUT_S, clean_env, free_port
 from tests.weights.test_bad_checkpoints import BREAKAGES, broken_model, load_error
-
-STARTUP_TIMEOUT_S = 120  # a busy shared CPU can take long to import torch; never hang past this
 
 
 def service_command(model_dir: Path, port: int) -> list[str]:
     return [sys.executable, "-m", "service", "--model-dir", str(model_dir),
             "--host", "127.0.0.1", "--port", str(port), "--threads", "1"]
-
-
-def clean_env() -> dict[str, str]:
-    # The test's own GPT2_* settings must not leak into the server it starts.
-    return {k: v for k, v in os.environ.items() if not k.startswith("GPT2_")}
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 BY_NAME = {b.name: b for b in BREAKAGES}
