@@ -64,8 +64,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    model = load_model(args.model_dir, dtype=DTYPES[args.dtype])
-    model.prepare(use_packed=not args.unpacked)
+    model = load_model(args.model_dir, dtype=DTYPES[args.dtype])  # packed by load_model
+    if args.unpacked:
+        model.prepare(use_packed=False)
     with torch.inference_mode():
         if args.engine:
             step = engine_steps(model, GPT2Tokenizer.from_dir(args.model_dir), args.batch, args.context, args.steps)

@@ -91,7 +91,7 @@ class SpectrumReport:
                         "std": values.std(correction=0).item(),
                         "per_head_mean": values.mean(dim=0).tolist(),
                     },
-                    "bounds": {"lower": {"value": 1.0, "valid": True, **_compare(values, 1.0, below=True)}}
+                    "bounds": {"lower": {"value": 1.0, "valid": VALID_BOUNDS["lower"], **_compare(values, 1.0, below=True)}}
                     | {
                         name: _bound_summary(torch.stack([b[name][i] for b in bounds]), values, VALID_BOUNDS[name])
                         for name in BOUND_NAMES

@@ -48,6 +48,7 @@ import torch
 
 from model.gpt2 import GPT2
 from model.kv_cache import KVCache
+from model.sampling import apply_repetition_penalty
 
 # transformers marks impossible beams with this score rather than -inf, so arithmetic on them
 # stays finite; using the same constant keeps rankings identical in the corner cases.
@@ -209,9 +210,7 @@ class BeamSearch:
             prompt = torch.tensor(self.prompt_ids, device=log_probs.device)
             self._seen = torch.zeros(n, vocab, dtype=torch.bool, device=log_probs.device)
             self._seen[:, prompt] = True  # [n, V]
-        penalty = self.params.repetition_penalty
-        penalised = torch.where(log_probs < 0, log_probs * penalty, log_probs / penalty)  # [n, V]
-        return torch.where(self._seen, penalised, log_probs)
+        return apply_repetition_penalty(log_probs, self._seen, self.params.repetition_penalty)
 
     def _advance_seen(self, source_beams: list[int], next_tokens: list[int]) -> None:
         device = self._seen.device

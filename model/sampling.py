@@ -32,14 +32,16 @@ class SamplingTensors:
 
 
 def apply_repetition_penalty(
-    logits: torch.Tensor, seen: torch.Tensor, penalty: torch.Tensor
+    logits: torch.Tensor, seen: torch.Tensor, penalty: torch.Tensor | float
 ) -> torch.Tensor:
     """Divide positive and multiply negative logits of tokens already seen (transformers' rule).
 
     logits [B, V]; seen [B, V] bool, True for every token of the prompt and the output so far;
-    penalty [B]. A token repeated many times is penalised once, as in transformers.
+    penalty [B], or one float for every row. A token repeated many times is penalised once, as
+    in transformers.
     """
-    penalty = penalty[:, None]  # [B, 1]
+    if isinstance(penalty, torch.Tensor):
+        penalty = penalty[:, None]  # [B, 1]
     penalised = torch.where(logits < 0, logits * penalty, logits / penalty)  # [B, V]
     return torch.where(seen, penalised, logits)
 

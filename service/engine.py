@@ -2,7 +2,8 @@
 
 - schedule: the Scheduler admits waiting requests into free KV-cache slots and says who decodes;
 - run: one padded forward for the admitted prompts (prefill), one batched forward with one token
-  per running sequence (decode), then one sampling call over every row and one device→host copy;
+  per running sequence (decode), then one sampling call over every row outside beam search and
+  one device→host copy (each beam-search request adds its own step and copy);
 - postprocess: append tokens, release text through stop-string hold-back, check stop conditions,
   free finished slots, report TokenEvents and FinishedRequests.
 
@@ -293,7 +294,7 @@ class Engine:
         tokens, logprobs = choose_tokens(logits[rows.sample_rows], params, generators, seen)  # [B], [B]
         if params.any_penalty:
             self.slot_params.mark_seen(slots, tokens)
-        # The step's one device→host copy: tokens and their log-probs together (float64 holds
+        # The sampler's one device→host copy: tokens and their log-probs together (float64 holds
         # every token id exactly).
         host_tokens, host_logprobs = torch.stack([tokens.double(), logprobs.double()]).cpu().tolist()
         return [

@@ -117,12 +117,14 @@ class EngineLoop:
                 if not self.engine.has_work():
                     return  # stopping, and everything in flight has finished
             output = self.engine.step()
-            self._deliver([*output.events, *output.finished, *output.failed])
+            # Stats first: a client that reads /metrics right after its reply must see the
+            # step that finished it (gauges such as KV-cache usage), not the one before.
             if self.on_step is not None:
                 try:
                     self.on_step(output.stats)
                 except Exception:
                     log.exception("on_step callback failed")
+            self._deliver([*output.events, *output.finished, *output.failed])
 
     def _deliver(self, items: list[QueueItem]) -> None:
         """Hand items to their requests' queues: one call_soon_threadsafe per event loop."""

@@ -69,7 +69,7 @@ class Metrics:
         self.generated_tokens = Counter(
             "gpt2_generated_tokens", "Tokens generated, over all returned sequences", registry=r
         )
-        self.requests_running = Gauge("gpt2_requests_running", "Sequences in the running batch", registry=r)
+        self.requests_running = Gauge("gpt2_requests_running", "Requests holding KV-cache slots", registry=r)
         self.requests_waiting = Gauge("gpt2_requests_waiting", "Requests queued for a free slot", registry=r)
         self.batch_size = Histogram(
             "gpt2_batch_size", "Sequences per engine step", buckets=BATCH_BUCKETS, registry=r

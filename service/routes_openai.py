@@ -80,6 +80,10 @@ class Call:
     def choice_index(self, request_index: int, sequence_index: int) -> int:
         return request_index * (self.body.n // self.copies) + sequence_index
 
+    def usage(self, completion_tokens: int) -> dict:
+        prompt_tokens = sum(len(p.ids) for p in self.prompts)
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
+
     def chunk(self, choices: list[dict], usage: dict | None = None) -> dict:
         out = {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model, "choices": choices}
         if usage is not None:
@@ -94,16 +98,13 @@ async def admit(state: ServiceState, body: CompletionRequest) -> Call:
     params = openai_sampling(body, limits)
     entries = body.prompt_list
     check_count("the number of prompts", len(entries), limits.max_prompts)
-    texts = [e for e in entries if isinstance(e, str)]
-    if texts and len(texts) != len(entries):
-        raise validation_error("prompt must be all strings or all token-id lists")
-    if texts:
-        prompts = await run_in_threadpool(tokenize_texts, state.tokenizer, texts)
+    # The schema admits all strings or all token-id lists, never a mix.
+    if isinstance(entries[0], str):
+        prompts = await run_in_threadpool(tokenize_texts, state.tokenizer, entries)
     else:
         prompts = prompts_from_ids(state.tokenizer, entries, limits)
     check_lengths(prompts, params.max_new_tokens, limits)
     copies = body.n if params.num_return_sequences == 1 else 1
-    check_count("prompts × n", len(prompts) * body.n, limits.max_prompts * limits.max_sequences)
     requests = generation_requests([p for p in prompts for _ in range(copies)], params, "cmpl")
     return Call(body, prompts, requests, state.settings.model_name)
 
@@ -121,9 +122,7 @@ def completion_body(call: Call, results: list[FinishedRequest], tokenizer: GPT2T
             sequences = sorted(sequences, key=mean_logprob, reverse=True)[: body.n]
         for sequence_index, seq in enumerate(sequences):
             choices.append(choice(call, request_index, sequence_index, prompt, result, seq, tokenizer))
-    completion_tokens = sum(r.generated_tokens for r in results)
-    prompt_tokens = sum(len(p.ids) for p in call.prompts)
-    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
+    usage = call.usage(sum(r.generated_tokens for r in results))
     return call.chunk(sorted(choices, key=lambda c: c["index"]), usage)
 
 
@@ -135,11 +134,11 @@ def choice(
     text = (prompt.text if body.echo else "") + seq.text
     logprobs = None
     if body.logprobs is not None:
-        ids, lps, start = list(seq.token_ids), list(seq.logprobs), 0
+        ids, lps = list(seq.token_ids), list(seq.logprobs)
         if body.echo:
             ids = prompt.ids + ids
             lps = list(result.prompt_logprobs or [None] * len(prompt.ids)) + lps
-        logprobs = token_logprobs(ids, lps, start, tokenizer)
+        logprobs = token_logprobs(ids, lps, 0, tokenizer)
     return {
         "index": call.choice_index(request_index, sequence_index),
         "text": text,
@@ -199,9 +198,7 @@ async def stream_chunks(state: ServiceState, call: Call, batch: Batch, request: 
                     ]
                     yield sse(call.chunk(finals))
         if body.stream_options is not None and body.stream_options.include_usage:
-            prompt_tokens = sum(len(p.ids) for p in call.prompts)
-            usage = {"prompt_tokens": prompt_tokens, "completion_tokens": generated, "total_tokens": prompt_tokens + generated}
-            yield sse(call.chunk([], usage))
+            yield sse(call.chunk([], call.usage(generated)))
         yield DONE
     except ApiError as exc:
         set_outcome(request, "error")

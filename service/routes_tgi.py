@@ -104,7 +104,7 @@ def tgi_output(prompt: Prompt, result: FinishedRequest, p: TGIParameters, tokeni
     prefill = prefill_tokens(prompt.ids, result.prompt_logprobs, tokenizer) if p.decoder_input_details else []
 
     def one(seq: FinishedSequence) -> dict:
-        out = {"generated_text": (prompt.text if p.return_full_text else "") + seq.text}
+        out = {"generated_text": generated_text(prompt, seq, p)}
         if p.details:
             out["details"] = {
                 "finish_reason": seq.finish_reason,
@@ -128,6 +128,10 @@ def tgi_output(prompt: Prompt, result: FinishedRequest, p: TGIParameters, tokeni
     if len(sequences) == 1:
         return one(sequences[0])
     return [one(s) for s in sequences]
+
+
+def generated_text(prompt: Prompt, seq: FinishedSequence, p: TGIParameters) -> str:
+    return (prompt.text if p.return_full_text else "") + seq.text
 
 
 def prefill_tokens(ids: list[int], logprobs: list[float | None] | None, tokenizer: GPT2Tokenizer) -> list[dict]:
@@ -183,7 +187,7 @@ def stream_token(token_id: int, text: str, logprob: float, index: int, tokenizer
 
 def stream_end(result: FinishedRequest, prompt: Prompt, p: TGIParameters) -> dict:
     seq = result.sequences[0]
-    end = {"generated_text": (prompt.text if p.return_full_text else "") + seq.text, "details": None}
+    end = {"generated_text": generated_text(prompt, seq, p), "details": None}
     if p.details:
         end["details"] = {
             "finish_reason": seq.finish_reason,

@@ -26,6 +26,11 @@ from service.requests import (
 from service.text_stream import TextStream
 
 
+def slots_needed(params: SamplingParams) -> int:
+    """KV-cache slots a request holds while it runs: one per beam or returned sequence."""
+    return max(params.num_beams, params.num_return_sequences)
+
+
 @dataclass
 class Sequence:
     """One generated continuation, owning one KV-cache slot while it runs."""
@@ -56,7 +61,6 @@ class RequestState:
     scheduled_time: float | None = None
     first_token_time: float | None = None
     prompt_logprobs: list[float | None] | None = None
-    cancelled: bool = False
 
     @property
     def params(self) -> SamplingParams:
@@ -64,7 +68,7 @@ class RequestState:
 
     @property
     def slots_needed(self) -> int:
-        return max(self.params.num_beams, self.params.num_return_sequences)
+        return slots_needed(self.params)
 
     @property
     def live(self) -> list[Sequence]:
@@ -138,9 +142,9 @@ class Scheduler:
             raise ValueError("stop strings are not supported with beam search")
         if not math.isfinite(p.length_penalty) or p.early_stopping not in (True, False, "never"):
             raise ValueError("length_penalty must be finite; early_stopping true, false or 'never'")
-        if self._slots_needed(p) > self.cache.max_slots:
+        if slots_needed(p) > self.cache.max_slots:
             raise ValueError(
-                f"the request needs {self._slots_needed(p)} sequences at once; the engine has "
+                f"the request needs {slots_needed(p)} sequences at once; the engine has "
                 f"{self.cache.max_slots} slots"
             )
 
@@ -216,7 +220,6 @@ class Scheduler:
         return StepPlan(admitted, decode, cancelled, self._pack())
 
     def _release_cancelled(self, state: RequestState) -> None:
-        state.cancelled = True
         for seq in state.live:
             self.release_sequence(seq, "cancelled")
 
@@ -231,8 +234,7 @@ class Scheduler:
         """Free every running request's slots (after a failed step) and forget them."""
         aborted, self.running = self.running, []
         for state in aborted:
-            for seq in state.live:
-                self.release_sequence(seq, "cancelled")
+            self._release_cancelled(state)
             self.forget(state.request.request_id)
         return aborted
 
@@ -240,7 +242,6 @@ class Scheduler:
         dropped = []
         for submission in self._waiting:
             for state in [s for s in submission if s.request.request_id in cancel]:
-                state.cancelled = True
                 submission.remove(state)
                 dropped.append(state)
         self._waiting = deque(s for s in self._waiting if s)
@@ -300,7 +301,3 @@ class Scheduler:
             live.insert(0, seq)
             live.sort(key=lambda s: s.slot)
         return moves
-
-    @staticmethod
-    def _slots_needed(params: SamplingParams) -> int:
-        return max(params.num_beams, params.num_return_sequences)

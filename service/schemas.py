@@ -32,6 +32,22 @@ class _Unsupported(BaseModel):
         return self
 
 
+def check_prompts(field: str, prompts: list[str] | list[list[int]]) -> None:
+    """The static bounds of a request's prompts, each a text or a list of token ids."""
+    if not prompts:
+        raise ValueError(f"{field} is an empty list")
+    if len(prompts) > MAX_LIST:
+        raise ValueError(f"{field} has {len(prompts)} prompts; at most {MAX_LIST}")
+    for prompt in prompts:
+        if not prompt:
+            raise ValueError(f"{field} must not be empty")
+        is_text = isinstance(prompt, str)
+        if len(prompt) > MAX_TEXT_CHARS:
+            raise ValueError(f"a prompt has more than {MAX_TEXT_CHARS} {'characters' if is_text else 'token ids'}")
+        if not is_text and any(not 0 <= t <= MAX_TOKEN_ID for t in prompt):
+            raise ValueError(f"token ids must be between 0 and {MAX_TOKEN_ID}")
+
+
 # ---------------------------------------------------------------------------------------------
 # TGI: POST /generate, /generate_stream, /
 # ---------------------------------------------------------------------------------------------
@@ -72,7 +88,7 @@ class TGIParameters(_Unsupported):
                               ("grammar", (None,)), ("adapter_id", (None,))):
             if getattr(self, name) not in neutral:
                 raise ValueError(f"{name} is not supported by this server")
-        if self.stop and any(not s for s in self.stop):
+        if any(not s for s in self.stop):
             raise ValueError("stop strings must not be empty")
         if any(len(s) > MAX_STOP_CHARS for s in self.stop):
             raise ValueError(f"stop strings must be at most {MAX_STOP_CHARS} characters")
@@ -114,16 +130,7 @@ class TGIRequest(BaseModel):
 
     @model_validator(mode="after")
     def _bounded_inputs(self) -> "TGIRequest":
-        prompts = self.prompts
-        if not prompts:
-            raise ValueError("inputs is an empty list")
-        if len(prompts) > MAX_LIST:
-            raise ValueError(f"inputs has {len(prompts)} prompts; at most {MAX_LIST}")
-        for prompt in prompts:
-            if not prompt:
-                raise ValueError("inputs must not be empty")
-            if len(prompt) > MAX_TEXT_CHARS:
-                raise ValueError(f"a prompt is longer than {MAX_TEXT_CHARS} characters")
+        check_prompts("inputs", self.prompts)
         return self
 
     @property
@@ -234,18 +241,7 @@ class CompletionRequest(_Unsupported):
             raise ValueError(f"best_of ({self.best_of}) must be at least n ({self.n})")
         if self.stream and (self.best_of or self.n) > self.n:
             raise ValueError("best_of > n cannot be streamed")
-        prompts = self.prompt_list
-        if not prompts:
-            raise ValueError("prompt is an empty list")
-        if len(prompts) > MAX_LIST:
-            raise ValueError(f"prompt has {len(prompts)} entries; at most {MAX_LIST}")
-        for p in prompts:
-            if not p:
-                raise ValueError("prompt must not be empty")
-            if isinstance(p, str) and len(p) > MAX_TEXT_CHARS:
-                raise ValueError(f"a prompt is longer than {MAX_TEXT_CHARS} characters")
-            if isinstance(p, list) and (len(p) > MAX_TEXT_CHARS or any(not 0 <= t <= MAX_TOKEN_ID for t in p)):
-                raise ValueError("token ids must be non-negative")
+        check_prompts("prompt", self.prompt_list)
         return self
 
     @property

@@ -24,7 +24,8 @@ def test_first_step_accepts_one_row_or_every_beam(tiny_model):
 
 def test_beam_generate_frees_its_slots_on_a_shared_cache(tiny_model, monkeypatch):
     cache = KVCache(tiny_model.config, max_slots=6, max_len=32)
-    other = cache.allocate(1)
+    other = cache.allocate(1)  # another sequence's slot: beam_generate must leave it alone
+    cache.keys[:, other] = 7.0
     params = BeamParams(num_beams=5, eos_token_id=50256, max_new_tokens=6)
     beam_generate(tiny_model, [464, 2068], params, cache=cache)
     assert cache.slots_used == 1
@@ -40,6 +41,8 @@ def test_beam_generate_frees_its_slots_on_a_shared_cache(tiny_model, monkeypatch
     with pytest.raises(RuntimeError, match="device lost"):
         beam_generate(tiny_model, [464, 2068], params, cache=cache)
     assert cache.slots_used == 1 and cache.slots_free == 5
+    assert bool((cache.keys[:, other] == 7.0).all())  # never written by the beams
+    cache.free(other)  # still allocated: raises if beam_generate had freed it
 
 
 @pytest.mark.parametrize(

@@ -1,6 +1,7 @@
 """Beam-search requests inside the engine, sharing batches with other requests, equal generate().
 
-(model/beam.py's own tests, against generate() directly, are tests/engine/test_beam*.py.)
+(model/beam.py's own tests, against generate() directly, are tests/engine/test_beam.py and
+test_beam_api.py.)
 """
 
 from __future__ import annotations

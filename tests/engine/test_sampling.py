@@ -19,6 +19,7 @@ from transformers.generation.logits_process import (
 from model.sampling import (
     SamplingTensors,
     apply_repetition_penalty,
+    apply_temperature,
     apply_top_k_top_p,
     choose_tokens,
     sample_rows,
@@ -163,7 +164,7 @@ def test_temperature_matches_transformers():
     logits = torch.randn(1, 30, generator=torch.Generator().manual_seed(2))
     params = sampling_tensors(1, 30, temperature=0.6)
     reference = TemperatureLogitsWarper(0.6)(None, logits.clone())
-    torch.testing.assert_close(logits / params.temperature[:, None], reference)
+    torch.testing.assert_close(apply_temperature(logits, params.temperature), reference)
 
 
 def test_greedy_rows_take_the_argmax_even_beside_sampled_rows():

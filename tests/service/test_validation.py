@@ -70,6 +70,8 @@ OPENAI_CASES = [
     ({"prompt": ""}, ["prompt", "empty"]),
     ({"prompt": [[]]}, ["prompt", "empty"]),
     ({"prompt": [99999999]}, ["token id", "vocabulary"]),
+    ({"prompt": [5, -1]}, ["token ids", "between 0 and"]),
+    ({"prompt": []}, ["prompt", "empty list"]),
     ({"prompt": "x", "temperature": 3}, ["temperature"]),
     ({"prompt": "x", "max_tokens": 0}, ["max_tokens"]),
     ({"prompt": "x", "n": 2, "best_of": 1}, ["best_of", "n"]),
