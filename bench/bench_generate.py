@@ -21,8 +21,8 @@ import torch
 from bench.common import DTYPES, Row, describe_machine, interleaved, load_both, paired_ratio, print_table
 from model.generate import greedy_generate, greedy_generate_uncached
 from model.kv_cache import KVCache
-from service.engine import Engine, EngineConfig
-from service.requests import GenerationRequest, SamplingParams
+from service.inprocess import Engine, EngineConfig
+from service.engine.types import GenerationRequest, SamplingParams
 from weights.tokenizer import GPT2Tokenizer
 
 SECTIONS = ("greedy", "beam", "concurrent", "prefill", "context")

@@ -19,8 +19,8 @@ from torch.profiler import ProfilerActivity, profile
 
 from bench.common import DTYPES, describe_machine, weight_bytes
 from model.kv_cache import KVCache
-from service.engine import Engine, EngineConfig
-from service.requests import GenerationRequest, SamplingParams
+from service.inprocess import Engine, EngineConfig
+from service.engine.types import GenerationRequest, SamplingParams
 from weights.checkpoint import load_model
 from weights.tokenizer import GPT2Tokenizer
 

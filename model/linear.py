@@ -41,7 +41,12 @@ def pack(weight_out_in: torch.Tensor) -> torch.Tensor | None:
     """oneDNN's blocked copy of a weight [out, in], or None where oneDNN does not serve."""
     if not onednn_serves(weight_out_in.device, weight_out_in.dtype):
         return None
-    return torch.ops.mkldnn._reorder_linear_weight(weight_out_in.detach().contiguous())
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(weight_out_in.detach().contiguous())
+    except RuntimeError:
+        # oneDNN's bfloat16 path needs AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT; on a CPU with
+        # neither (AVX2 only) it refuses, and F.linear serves.
+        return None
 
 
 def linear(

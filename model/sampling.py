@@ -26,6 +26,7 @@ class SamplingTensors:
     top_p: torch.Tensor  # [B] float; 1.0 means off
     repetition_penalty: torch.Tensor  # [B] float; 1.0 means off
     do_sample: torch.Tensor  # [B] bool
+    seed: torch.Tensor  # [B] int64; a sampled row's draws come from (seed, counter) alone
     any_sample: bool
     any_top_k_top_p: bool
     any_penalty: bool
@@ -69,21 +70,48 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     return sorted_logits.scatter(1, sorted_index, sorted_logits)  # [B, V] original order
 
 
-def sample_rows(
-    probs: torch.Tensor, generators: list[torch.Generator | None]
-) -> torch.Tensor:
-    """One token per row drawn from probs [B, V], each row from its own generator.
+# splitmix64's constants (Steele, Lea, Flood 2014), as signed int64 for torch's integer ops.
+def _int64(constant: int) -> int:
+    return constant - (1 << 64) if constant >= 1 << 63 else constant
 
-    argmax(p / q) with q ~ Exp(1) is a draw from p (the exponential race). Each row's noise comes
-    only from its own generator, so a seeded sequence draws the same tokens whatever else is in
-    the batch. Rows whose generator is None are not drawn (their result is meaningless).
+
+_GOLDEN_GAMMA = _int64(0x9E3779B97F4A7C15)
+_MIX_1 = _int64(0xBF58476D1CE4E5B9)
+_MIX_2 = _int64(0x94D049BB133111EB)
+
+
+def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's >> is arithmetic: it copies the sign bit)."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def seeded_uniform(seed: torch.Tensor, counter: torch.Tensor) -> torch.Tensor:
+    """One uniform draw in [0, 1) per row, from that row's (seed, counter) alone: float64 [B].
+
+    splitmix64, counter-based: draw n of a sequence is the mix of seed + n·γ. torch has no
+    per-row seeded generator for a batch (one torch.Generator per row meant a Python loop and one
+    kernel per row each step); this is a few vectorised integer ops, and the same on every device.
+    int64 multiplication wraps modulo 2^64, which is the arithmetic splitmix64 is defined in.
     """
-    noise = torch.ones_like(probs)  # [B, V]
-    for row, generator in enumerate(generators):
-        if generator is not None:
-            noise[row].exponential_(generator=generator)
-    # Exp(1) can return 0 in float32; the clamp avoids 0/0 and changes nothing measurable.
-    return (probs / noise.clamp_min_(1e-30)).argmax(dim=-1)  # [B]
+    x = seed + counter * _GOLDEN_GAMMA  # [B] int64
+    x = (x ^ _shift_right(x, 30)) * _MIX_1
+    x = (x ^ _shift_right(x, 27)) * _MIX_2
+    x = x ^ _shift_right(x, 31)
+    return _shift_right(x, 11).double() * 2.0**-53  # the top 53 bits: a double in [0, 1)
+
+
+def sample_rows(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """One token per row of probs [B, V] by inverting its CDF at uniform [B].
+
+    One uniform per row (not one per vocabulary entry) is all a categorical draw needs. The CDF
+    is summed in float64 so even a 1e-9 token keeps its share; a token of probability 0 (filtered
+    by top-k/top-p) is never chosen, since the search looks for the first CDF value above the target.
+    """
+    cdf = probs.double().cumsum(dim=-1)  # [B, V]
+    total = cdf[:, -1:]  # [B, 1]
+    # u * total can round up to total itself; stay strictly below it.
+    target = torch.minimum(uniform[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))  # [B, 1]
+    return torch.searchsorted(cdf, target, right=True).squeeze(1)  # [B]
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -95,13 +123,14 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
 def choose_tokens(
     logits: torch.Tensor,
     params: SamplingTensors,
-    generators: list[torch.Generator | None],
+    counter: torch.Tensor,
     seen: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Next token of every row and its log-probability under the model's own distribution.
 
-    logits [B, V] (any float dtype; computed in float32); seen [B, V] bool, needed when a row
-    has a repetition penalty. The log-probability is of the raw model output, before penalty,
+    logits [B, V] (any float dtype; computed in float32); counter [B] int64, which draw of its
+    sequence each row makes (its length so far); seen [B, V] bool, needed when a row has a
+    repetition penalty. The log-probability is of the raw model output, before penalty,
     temperature and filtering: what the model thinks of the token, as OpenAI-style APIs report.
     """
     logits = logits.float()  # [B, V]
@@ -115,6 +144,6 @@ def choose_tokens(
         scores = apply_temperature(scores, params.temperature)
         if params.any_top_k_top_p:
             scores = apply_top_k_top_p(scores, params.top_k, params.top_p)
-        sampled = sample_rows(scores.softmax(dim=-1), generators)  # [B]
+        sampled = sample_rows(scores.softmax(dim=-1), seeded_uniform(params.seed, counter))  # [B]
         tokens = torch.where(params.do_sample, sampled, tokens)
     return tokens, token_logprobs(logits, tokens)

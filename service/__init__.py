@@ -1,1 +1,2 @@
-"""The HTTP service around the model: settings, scheduler, engine loop, routes, metrics."""
+"""The HTTP service around the model: settings, routes, schemas, streaming, metrics; the engine core
+(service/engine/) runs in its own process."""

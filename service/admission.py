@@ -11,7 +11,7 @@ import uuid
 from dataclasses import dataclass
 
 from service.errors import validation_error
-from service.requests import GenerationRequest, SamplingParams
+from service.engine.types import GenerationRequest, SamplingParams
 from service.schemas import CompletionRequest, TGIParameters
 from service.settings import Settings
 from weights.tokenizer import GPT2Tokenizer

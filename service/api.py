@@ -25,11 +25,11 @@ def package_version() -> str:
         return "unknown"
 
 
-@router.get("/health", summary="Liveness: the model is loaded and the engine thread is alive")
+@router.get("/health", summary="Liveness: the model is loaded and the engine core process is alive")
 async def health(request: Request) -> Response:
     state = service_state(request)
-    if state.serving and not state.loop.running:
-        return error_response(503, "error", "the engine thread has stopped")
+    if state.serving and not state.client.running:
+        return error_response(503, "error", "the engine core process has stopped")
     return JSONResponse({"status": "ok"})
 
 
@@ -37,7 +37,7 @@ async def health(request: Request) -> Response:
 async def info(request: Request) -> dict:
     state = service_state(request)
     settings, limits, config = state.settings, state.limits, state.model.config
-    cache = state.loop.engine.cache  # ints read from the engine thread's objects: atomic
+    stats = state.client.last_stats  # as of the engine core's last step
     return {
         "model_id": settings.model_name,
         "model_dtype": str(state.model.dtype).removeprefix("torch."),
@@ -57,7 +57,10 @@ async def info(request: Request) -> dict:
         "max_best_of": limits.max_sequences,
         "max_prompts_per_request": limits.max_prompts,
         "max_body_bytes": settings.max_body_bytes,
-        "kv_cache": {"slots_used": cache.slots_used, "slots_total": cache.max_slots},
+        "kv_cache": {
+            "slots_used": stats.kv_slots_used if stats else 0,
+            "slots_total": settings.max_batch_size,
+        },
         "version": package_version(),
     }
 

@@ -1,7 +1,10 @@
-"""Builds the FastAPI application: loads the model, builds the engine loop, mounts the routes.
+"""Builds the FastAPI application: loads the model, starts the engine core, mounts the routes.
 
 Request path: BearerAuth (optional) → RequestMetrics → BodyLimit (413 before parsing)
-→ route → schemas/admission (422) → Generations → EngineLoop (its own thread) → back as events.
+→ route → schemas/admission (422) → Generations → EngineClient → (IPC) engine core process
+→ token ids → OutputProcessor (text, stop strings) → back as events.
+The model is loaded here too: a bad checkpoint stops start-up with its message before a core is
+spawned, and /analyze runs on this process's copy, never stalling the core's steps.
 """
 
 from __future__ import annotations
@@ -17,10 +20,11 @@ from model.analysis import cached_weight_spectra
 from service.api import include_routes
 from service.auth import BearerAuthMiddleware
 from service.body_limit import BodyLimitMiddleware
-from service.engine import Engine, EngineConfig
+from service.client import EngineClient
+from service.engine.core import EngineConfig
+from service.engine.process import CoreProcessConfig
 from service.errors import install_error_handlers
 from service.generation import Generations
-from service.loop import EngineLoop
 from service.metrics import RequestMetricsMiddleware
 from service.settings import Settings
 from service.state import ServiceState
@@ -46,27 +50,42 @@ def load_state(settings: Settings) -> ServiceState:
     return state
 
 
-def build_loop(state: ServiceState) -> EngineLoop:
+def build_client(state: ServiceState) -> EngineClient:
     settings = state.settings
     engine_config = EngineConfig(
         max_slots=settings.max_batch_size,
         max_len=state.limits.context_length,
-        max_waiting=settings.max_waiting,
+        # The HTTP side admits at most max_batch_size + max_waiting requests (429 beyond), so
+        # the core's own queue never refuses one: a beam request holds several slots, so up to
+        # all of them may wait.
+        max_waiting=settings.max_batch_size + settings.max_waiting,
         max_prefill_tokens=settings.max_prefill_tokens,
     )
-    engine = Engine(state.model, state.tokenizer, engine_config)
-    return EngineLoop(engine, on_step=state.metrics.observe_step)
+    config = CoreProcessConfig(
+        model_dir=settings.model_dir,
+        device=settings.device,
+        dtype=settings.dtype,
+        threads=settings.threads,
+        engine=engine_config,
+        eos_token_id=state.tokenizer.eos_token_id,
+    )
+    return EngineClient(
+        config,
+        state.tokenizer,
+        on_step=state.metrics.observe_step,
+        max_in_flight=settings.max_batch_size + settings.max_waiting,
+    )
 
 
 def create_app(settings: Settings) -> FastAPI:
     # Load before serving: a bad checkpoint must stop start-up, not the first request.
     state = load_state(settings)
-    state.loop = build_loop(state)
-    state.generations = Generations(state.loop, state.metrics, settings.retry_after_seconds)
+    state.client = build_client(state)
+    state.generations = Generations(state.client, state.metrics, settings.retry_after_seconds)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        state.loop.start()
+        await state.client.start()
         # Weight spectra depend on the weights only: compute them once now, off the request path,
         # so the first /analyze/spectrum does not pay for them (seconds on the larger models).
         threading.Thread(target=cached_weight_spectra, args=(state.model,), daemon=True).start()
@@ -75,8 +94,8 @@ def create_app(settings: Settings) -> FastAPI:
             yield
         finally:
             # uvicorn has already waited (up to drain_seconds) for open responses; what is still
-            # running now finishes or is cancelled by the loop's own drain.
-            await state.loop.stop(timeout=settings.drain_seconds)
+            # running now finishes or is cancelled by the core's own drain.
+            await state.client.stop(timeout=settings.drain_seconds)
 
     app = FastAPI(
         title="gpt2-serve",

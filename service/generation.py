@@ -1,7 +1,7 @@
-"""The HTTP side of a generation: submit to the engine loop, wait or stream, cancel on disconnect.
+"""The HTTP side of a generation: submit to the engine core, wait or stream, cancel on disconnect.
 
 Every FinishedRequest goes through `_finished` exactly once, so the token counters equal what
-the responses report, cancelled requests included (their queue is drained in the background).
+the responses report, cancelled requests included (they finish when cancelled).
 """
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from dataclasses import dataclass
 
 from starlette.requests import Request
 
+from service.client import EngineClient
 from service.errors import ApiError, overloaded_error, validation_error
-from service.loop import EngineLoop
 from service.metrics import Metrics, set_outcome
-from service.requests import (
+from service.engine.types import (
     EngineStopped,
     FinishedRequest,
     GenerationRequest,
@@ -38,7 +38,7 @@ class Stream:
 
 
 @dataclass
-class Batch:
+class CallStreams:
     """The requests of one HTTP call, finished or cancelled together."""
 
     streams: list[Stream]
@@ -46,32 +46,28 @@ class Batch:
 
 
 class Generations:
-    def __init__(self, loop: EngineLoop, metrics: Metrics, retry_after_seconds: int) -> None:
-        self.loop = loop
+    def __init__(self, client: EngineClient, metrics: Metrics, retry_after_seconds: int) -> None:
+        self.client = client
         self.metrics = metrics
         self.retry_after_seconds = retry_after_seconds
-        self._drainers: set[asyncio.Task] = set()
 
     # --- submission ---------------------------------------------------------------------------
-    def submit(self, requests: list[GenerationRequest]) -> Batch:
-        if not self.loop.running:
-            # Not started (an app used without its lifespan) or died: queued work would wait forever.
-            raise ApiError(503, "overloaded", "the engine is not running", {"Retry-After": "5"})
+    def submit(self, requests: list[GenerationRequest]) -> CallStreams:
         try:
-            queues = self.loop.submit(requests)
+            queues = self.client.submit(requests)
         except QueueFull as exc:
             raise overloaded_error(f"too many requests waiting ({exc}); retry later", self.retry_after_seconds) from exc
         except EngineStopped as exc:
             raise ApiError(503, "overloaded", f"the server is shutting down: {exc}", {"Retry-After": "5"}) from exc
         except ValueError as exc:
             raise validation_error(str(exc)) from exc
-        return Batch([Stream(r, q) for r, q in zip(requests, queues)])
+        return CallStreams([Stream(r, q) for r, q in zip(requests, queues)])
 
     # --- whole answers ------------------------------------------------------------------------
     async def complete(self, requests: list[GenerationRequest], http: Request) -> list[FinishedRequest] | None:
         """Wait for every request of the call; None if the client left first (all cancelled)."""
         batch = self.submit(requests)
-        waiting = asyncio.ensure_future(asyncio.gather(*(self._until_finished(s) for s in batch.streams)))
+        waiting = asyncio.ensure_future(self._all_finished(batch))
         gone = asyncio.ensure_future(wait_for_disconnect(http))
         try:
             await asyncio.wait({waiting, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -80,9 +76,14 @@ class Generations:
             set_outcome(http, "cancelled")
             return None
         finally:
-            gone.cancel()
-            waiting.cancel()
+            for task in (gone, waiting):
+                task.cancel()
+            # Awaited, so no exception of theirs is left unretrieved (and logged) when the client left.
+            await asyncio.gather(gone, waiting, return_exceptions=True)
             self.close(batch)
+
+    async def _all_finished(self, batch: CallStreams) -> list[FinishedRequest]:
+        return [await self._until_finished(stream) for stream in batch.streams]
 
     async def _until_finished(self, stream: Stream) -> FinishedRequest:
         while True:
@@ -91,7 +92,7 @@ class Generations:
                 return stream.finished
 
     # --- streaming --------------------------------------------------------------------------
-    async def events(self, batch: Batch, http: Request) -> AsyncIterator[tuple[int, list[Item]]]:
+    async def events(self, batch: CallStreams, http: Request) -> AsyncIterator[tuple[int, list[Item]]]:
         """(index of the request in the batch, items that arrived together), until all finish.
 
         Items are yielded in arrival order; a request's last TokenEvent and its FinishedRequest
@@ -117,7 +118,7 @@ class Generations:
                 future.cancel()
             self.end(batch, http)
 
-    def end(self, batch: Batch, http: Request) -> None:
+    def end(self, batch: CallStreams, http: Request) -> None:
         """A stream is over. Unfinished without an engine failure means the client left."""
         if not batch.closed and any(s.finished is None for s in batch.streams):
             if not any(s.failed for s in batch.streams):
@@ -136,20 +137,20 @@ class Generations:
             raise ApiError(500, "generation", f"generation failed: {item.message}")
         return False
 
-    def close(self, batch: Batch) -> None:
+    def close(self, batch: CallStreams) -> None:
         """The call is over: cancel what has not finished (the client left, or an error).
 
         Idempotent: the streaming response calls it again when it ends, in case the event
-        generator never started. Cancelled requests are still counted when they finish.
+        generator never started. Cancelled requests are counted with what they produced.
         """
         if batch.closed:
             return
         batch.closed = True
-        for stream in [s for s in batch.streams if s.finished is None]:
-            self.loop.cancel(stream.request.request_id)
-            task = asyncio.get_running_loop().create_task(self._until_finished(stream))
-            self._drainers.add(task)
-            task.add_done_callback(self._drainers.discard)
+        for stream in [s for s in batch.streams if s.finished is None and not s.failed]:
+            finished = self.client.cancel(stream.request.request_id)
+            if finished is not None:
+                stream.finished = finished
+                self._finished(finished)
 
     def _finished(self, result: FinishedRequest) -> None:
         m = self.metrics

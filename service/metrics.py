@@ -19,7 +19,7 @@ from prometheus_client.exposition import generate_latest
 from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from service.requests import StepStats
+from service.engine.types import StepStats
 
 Outcome = Literal["success", "validation", "overloaded", "cancelled", "error"]
 OUTCOMES: tuple[Outcome, ...] = ("success", "validation", "overloaded", "cancelled", "error")

@@ -24,9 +24,9 @@ from service.admission import (
     tokenize_texts,
 )
 from service.errors import ApiError, error_body, validation_error
-from service.generation import Batch
+from service.generation import CallStreams
 from service.metrics import set_outcome
-from service.requests import FinishedRequest, FinishedSequence, GenerationRequest, TokenEvent
+from service.engine.types import FinishedRequest, FinishedSequence, GenerationRequest, TokenEvent
 from service.routes_tgi import CLIENT_GONE, ERRORS
 from service.schemas import CompletionRequest, CompletionResponse, ModelList
 from service.sse import DONE, EventStream, sse
@@ -167,7 +167,7 @@ def openai_finish_reason(reason: str) -> str:
 # --- streaming -----------------------------------------------------------------------------------
 
 
-async def stream_chunks(state: ServiceState, call: Call, batch: Batch, request: Request) -> AsyncIterator[bytes]:
+async def stream_chunks(state: ServiceState, call: Call, batch: CallStreams, request: Request) -> AsyncIterator[bytes]:
     body, tokenizer = call.body, state.tokenizer
     offsets: dict[int, int] = {}  # choice index → characters sent so far (text_offset)
     generated = 0

@@ -15,9 +15,9 @@ from starlette.concurrency import run_in_threadpool
 
 from service.admission import Prompt, check_count, check_lengths, generation_requests, tgi_sampling, tokenize_texts
 from service.errors import ApiError, error_body, validation_error
-from service.generation import Batch
+from service.generation import CallStreams
 from service.metrics import set_outcome
-from service.requests import FinishedRequest, FinishedSequence, GenerationRequest, TokenEvent
+from service.engine.types import FinishedRequest, FinishedSequence, GenerationRequest, TokenEvent
 from service.schemas import GenerateResponse, TGIParameters, TGIRequest
 from service.sse import EventStream, sse
 from service.state import ServiceState, service_state
@@ -150,7 +150,7 @@ def token_details(seq: FinishedSequence, tokenizer: GPT2Tokenizer) -> list[dict]
 
 
 async def tgi_events(
-    state: ServiceState, batch: Batch, prompt: Prompt, p: TGIParameters, request: Request
+    state: ServiceState, batch: CallStreams, prompt: Prompt, p: TGIParameters, request: Request
 ) -> AsyncIterator[bytes]:
     """TGI's stream: one event per token; the last also carries generated_text (and details)."""
     tokenizer = state.tokenizer

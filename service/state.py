@@ -9,8 +9,8 @@ from starlette.requests import Request
 
 from model.gpt2 import GPT2
 from service.admission import Limits
+from service.client import EngineClient
 from service.generation import Generations
-from service.loop import EngineLoop
 from service.metrics import Metrics
 from service.settings import Settings
 from weights.tokenizer import GPT2Tokenizer
@@ -24,10 +24,10 @@ class ServiceState:
     origin: dict
     metrics: Metrics = field(default_factory=Metrics)
     limits: Limits | None = None
-    loop: EngineLoop | None = None  # the engine's thread; started by the app's lifespan
-    generations: Generations | None = None  # the HTTP side of that loop
+    client: EngineClient | None = None  # the engine core's process; started by the app's lifespan
+    generations: Generations | None = None  # the HTTP side of a generation
     started_at: float = field(default_factory=time.time)
-    serving: bool = False  # the lifespan has started the engine loop
+    serving: bool = False  # the lifespan has started the engine core
 
     def __post_init__(self) -> None:
         if self.limits is None:

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from service.engine import Engine, EngineConfig
-from service.requests import GenerationRequest, SamplingParams
+from service.inprocess import Engine, EngineConfig
+from service.engine.types import GenerationRequest, SamplingParams
 from tests.conftest import TINY
 from tests.model.hf_reference import load_reference
 from weights.checkpoint import load_model

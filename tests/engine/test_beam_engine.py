@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from model.beam import BeamParams
-from service.engine import Engine, EngineConfig
+from service.inprocess import Engine, EngineConfig
 from tests.engine.conftest import hf_generate, make_request, random_prompt, run_until_idle
 from tests.engine.test_beam import EOS, SCORE_TOL, models, reference_beam  # noqa: F401 (fixture)
 
@@ -94,8 +94,8 @@ def test_beam_requests_joining_and_leaving_mid_stream_match_generate(engine, ref
     case_of: dict[str, int] = {}
     results = {}
     moves = []
-    original_move = engine._move
-    engine._move = lambda src, dst, length: (moves.append((src, dst)), original_move(src, dst, length))
+    original_move = engine.core._move
+    engine.core._move = lambda src, dst, length: (moves.append((src, dst)), original_move(src, dst, length))
     for step in range(6):
         for item in schedule.get(step, []):
             request = beam_request(item) if isinstance(item, int) else item

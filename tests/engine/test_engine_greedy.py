@@ -55,8 +55,8 @@ def test_all_prompts_in_one_batch_match_generate(make_engine, references):
 def test_joining_and_leaving_mid_stream_changes_nobody(make_engine, references):
     engine = make_engine(max_slots=4)
     moves = []
-    original_move = engine._move
-    engine._move = lambda src, dst, length: (moves.append((src, dst)), original_move(src, dst, length))
+    original_move = engine.core._move
+    engine.core._move = lambda src, dst, length: (moves.append((src, dst)), original_move(src, dst, length))
     results = {}
     # Staggered arrivals; short requests finish early and leave holes below running ones.
     schedule = {0: [(48, 24), (2, 1)], 1: [(9, 7)], 3: [(5, 20), (1, 12)], 6: [(33, 5)], 9: [(17, 16), (64, 10)]}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from service.requests import QueueFull
+from service.engine.types import QueueFull
 from tests.engine.conftest import drive, hf_generate, make_request, random_prompt, run_until_idle
 from weights.tokenizer import GPT2Tokenizer
 
@@ -204,11 +204,11 @@ def test_a_failure_while_admitting_fails_the_step_and_leaks_no_slot(make_engine,
     real_write = engine.slot_params.write
     calls = {"n": 0}
 
-    def failing_write(slot, params, prompt_ids):
+    def failing_write(*args):
         calls["n"] += 1
         if calls["n"] == 2:
             raise RuntimeError("cannot write parameters")
-        real_write(slot, params, prompt_ids)
+        real_write(*args)
 
     engine.slot_params.write = failing_write
     engine.submit([make_request([1, 2], request_id=f"r{i}", max_new_tokens=3) for i in range(3)])
@@ -218,3 +218,24 @@ def test_a_failure_while_admitting_fails_the_step_and_leaks_no_slot(make_engine,
     assert engine.cache.slots_used == 0 and not engine.has_work()
     [after] = engine.generate([make_request([5, 6], max_new_tokens=3)])  # still serving
     assert after.sequences[0].token_ids == hf_generate(hf_model, [5, 6], 3)
+
+
+def test_a_failed_step_fails_its_requests_and_the_engine_serves_on(make_engine, hf_model):
+    engine = make_engine()
+    real_run = engine.core._run
+    calls = {"n": 0}
+
+    def flaky_run(*args):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("device lost")
+        return real_run(*args)
+
+    engine.core._run = flaky_run
+    engine.submit([make_request([1, 2], request_id="doomed", max_new_tokens=10)])
+    engine.step()
+    failed = engine.step().failed
+    assert [f.request_id for f in failed] == ["doomed"] and "device lost" in failed[0].message
+    assert engine.cache.slots_used == 0
+    [healthy] = engine.generate([make_request([3, 4], max_new_tokens=4)])
+    assert healthy.sequences[0].token_ids == hf_generate(hf_model, [3, 4], 4)

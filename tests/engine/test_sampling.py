@@ -23,6 +23,7 @@ from model.sampling import (
     apply_top_k_top_p,
     choose_tokens,
     sample_rows,
+    seeded_uniform,
     token_logprobs,
 )
 
@@ -30,7 +31,7 @@ P_FAIL = 1e-6
 DRAWS = 20_000
 
 
-def sampling_tensors(rows: int, vocab: int, temperature=1.0, top_k=0, top_p=1.0, penalty=1.0, do_sample=True):
+def sampling_tensors(rows: int, vocab: int, temperature=1.0, top_k=0, top_p=1.0, penalty=1.0, do_sample=True, seed=1000):
     def column(value, dtype=torch.float32):
         values = value if isinstance(value, list) else [value] * rows
         return torch.tensor(values, dtype=dtype)
@@ -43,6 +44,7 @@ def sampling_tensors(rows: int, vocab: int, temperature=1.0, top_k=0, top_p=1.0,
         top_p=column(top_p),
         repetition_penalty=column(penalty),
         do_sample=torch.tensor(samples),
+        seed=column(seed, torch.long),
         any_sample=any(samples),
         any_top_k_top_p=True,
         any_penalty=penalty != 1.0,
@@ -50,13 +52,12 @@ def sampling_tensors(rows: int, vocab: int, temperature=1.0, top_k=0, top_p=1.0,
 
 
 def draw(logits: torch.Tensor, params_kwargs: dict, seen: torch.Tensor | None = None) -> torch.Tensor:
-    """DRAWS tokens from one row of logits [V], each draw its own seeded generator."""
+    """DRAWS tokens from one row of logits [V]: the successive draws of one seeded sequence."""
     vocab = logits.shape[-1]
     batch = logits.expand(DRAWS, vocab)  # [N, V]
     params = sampling_tensors(DRAWS, vocab, **params_kwargs)
-    generators = [torch.Generator().manual_seed(1000 + i) for i in range(DRAWS)]
     seen_rows = seen.expand(DRAWS, vocab) if seen is not None else None
-    tokens, _ = choose_tokens(batch, params, generators, seen_rows)
+    tokens, _ = choose_tokens(batch, params, torch.arange(DRAWS), seen_rows)
     return torch.bincount(tokens, minlength=vocab)
 
 
@@ -171,23 +172,46 @@ def test_greedy_rows_take_the_argmax_even_beside_sampled_rows():
     logits = torch.randn(6, 40, generator=torch.Generator().manual_seed(3))
     do_sample = [False, True, False, True, True, False]
     params = sampling_tensors(6, 40, temperature=3.0, do_sample=do_sample)
-    generators = [torch.Generator().manual_seed(i) if s else None for i, s in enumerate(do_sample)]
-    tokens, _ = choose_tokens(logits, params, generators)
+    tokens, _ = choose_tokens(logits, params, torch.zeros(6, dtype=torch.long))
     for row, sampled in enumerate(do_sample):
         if not sampled:
             assert tokens[row] == logits[row].argmax()
 
 
-def test_a_rows_draws_depend_only_on_its_own_generator():
+def splitmix64(seed: int, counter: int) -> int:
+    """The reference generator in Python's unbounded integers, reduced modulo 2^64 by hand."""
+    mask = (1 << 64) - 1
+    z = (seed + counter * 0x9E3779B97F4A7C15) & mask
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+    return z ^ (z >> 31)
+
+
+def test_seeded_uniform_is_splitmix64_in_wrapping_int64():
+    seeds = [0, 1, 77, 2**62 + 12345, 2**63 - 1]
+    counters = [0, 1, 5, 1023, 10**6]
+    pairs = [(s, c) for s in seeds for c in counters]
+    ours = seeded_uniform(torch.tensor([s for s, _ in pairs]), torch.tensor([c for _, c in pairs]))
+    expected = torch.tensor([(splitmix64(s, c) >> 11) * 2.0**-53 for s, c in pairs], dtype=torch.float64)
+    assert torch.equal(ours, expected)
+
+
+def test_a_rows_draws_depend_only_on_its_own_seed_and_counter():
     generator = torch.Generator().manual_seed(4)
     probs = torch.rand(5, 100, generator=generator).softmax(-1)  # [B, V]
-    alone = sample_rows(probs[2:3], [torch.Generator().manual_seed(77)])
-    crowd = [torch.Generator().manual_seed(s) for s in (1, 2, 77, 3, 4)]
+    alone = sample_rows(probs[2:3], seeded_uniform(torch.tensor([77]), torch.tensor([9])))
+    crowd = seeded_uniform(torch.tensor([1, 2, 77, 3, 4]), torch.tensor([0, 3, 9, 100, 2]))
     mixed = sample_rows(probs, crowd)
     assert mixed[2] == alone[0]
     # And the draw really depends on the seed (else the test above proves nothing).
-    others = {int(sample_rows(probs[2:3], [torch.Generator().manual_seed(s)])[0]) for s in range(20)}
+    others = {int(sample_rows(probs[2:3], seeded_uniform(torch.tensor([s]), torch.tensor([9])))[0]) for s in range(20)}
     assert len(others) > 1
+
+
+def test_zero_probability_tokens_are_never_drawn_even_at_the_ends_of_the_unit_interval():
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.5, 0.0]]).expand(3, 5)  # [B, V]
+    ends = torch.tensor([0.0, 0.5, 1.0 - 2.0**-53], dtype=torch.float64)
+    assert sample_rows(probs, ends).tolist() == [1, 3, 3]
 
 
 def test_token_logprobs_equal_log_softmax():
@@ -200,7 +224,7 @@ def test_token_logprobs_equal_log_softmax():
 def test_logprob_is_of_the_raw_distribution_not_the_filtered_one():
     logits = FIXED_LOGITS[None]  # [1, V]
     params = sampling_tensors(1, 10, temperature=0.5, top_k=2)
-    tokens, logprobs = choose_tokens(logits, params, [torch.Generator().manual_seed(0)])
+    tokens, logprobs = choose_tokens(logits, params, torch.zeros(1, dtype=torch.long))
     assert tokens[0] in (0, 1)
     expected = FIXED_LOGITS.log_softmax(-1)[tokens[0]]
     assert logprobs[0] == pytest.approx(float(expected), abs=1e-6)

@@ -1,8 +1,9 @@
-"""Plain data passed between the HTTP layer and the engine loop (the contract between them).
+"""Plain data passed between the HTTP side and the engine core (the contract between them).
 
-HTTP → schema → GenerationRequest → EngineLoop.submit → asyncio.Queue of
-    TokenEvent* then exactly one FinishedRequest (or RequestFailed).
-The loop also reports one StepStats per engine step to an optional callback (metrics).
+HTTP → schema → GenerationRequest → (IPC) → EngineCore.step → CoreStep → (IPC) →
+    OutputProcessor (detokenize, stop strings) → TokenEvent* then one FinishedRequest (or
+    RequestFailed) per request.
+Every type here is a dataclass of plain values, so msgspec encodes it for the IPC as it is.
 """
 
 from __future__ import annotations
@@ -98,6 +99,29 @@ class RequestFailed:
 
 
 @dataclass
+class RequestStarted:
+    """A request was admitted and prefilled this step (sent with its first tokens)."""
+
+    request_id: str
+    queue_seconds: float  # arrival → first scheduled
+    seed: int | None  # the seed sampling uses (chosen by the core when the request gave none)
+    prompt_logprobs: list[float | None] | None = None
+
+
+@dataclass
+class RequestDone:
+    """The core is done with a request: every sequence finished, or it was cancelled."""
+
+    request_id: str
+    # Beam search: the returned hypotheses, best first (text left empty: the HTTP side decodes).
+    beams: list[FinishedSequence] | None = None
+
+
+# (request id, sequence index, token id, log-probability, finish reason if this token ended it)
+CoreToken = tuple[str, int, int, float, FinishReason | None]
+
+
+@dataclass
 class StepStats:
     """What one engine step did, for metrics (reported from the engine thread)."""
 
@@ -114,3 +138,14 @@ class StepStats:
     @property
     def kv_usage_ratio(self) -> float:
         return self.kv_slots_used / self.kv_slots_total
+
+
+@dataclass
+class CoreStep:
+    """Everything one engine-core step produced, sent to the HTTP side as one message."""
+
+    tokens: list[CoreToken]
+    started: list[RequestStarted]
+    done: list[RequestDone]
+    failed: list[RequestFailed]
+    stats: StepStats

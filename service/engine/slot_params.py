@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from model.sampling import SamplingTensors
-from service.requests import SamplingParams
+from service.engine.types import SamplingParams
 
 # Columns of the float table.
 TEMPERATURE, TOP_P, PENALTY, DO_SAMPLE = range(4)
@@ -21,17 +21,20 @@ class SlotParams:
         self.device = device
         self._floats = torch.ones(max_slots, 4, device=device)  # [slots, 4]
         self._top_k = torch.full((max_slots,), vocab_size, dtype=torch.long, device=device)
+        self._seed = torch.zeros(max_slots, dtype=torch.long, device=device)
         # Tokens of the prompt and output so far, for the repetition penalty. Kept up to date
         # only while the slot's sequence has a penalty (the flag in SamplingTensors).
         self._seen = torch.zeros(max_slots, vocab_size, dtype=torch.bool, device=device)
 
-    def write(self, slot: int, params: SamplingParams, prompt_ids: list[int]) -> None:
+    def write(self, slot: int, params: SamplingParams, prompt_ids: list[int], seed: int = 0) -> None:
+        """`seed`: the sequence's own sampling seed, in [0, 2^63)."""
         sampling = params.do_sample
         row = [params.temperature if sampling else 1.0, params.top_p if sampling else 1.0,
                params.repetition_penalty, float(sampling)]
         self._floats[slot] = torch.tensor(row, device=self.device)
         top_k = params.top_k if sampling and params.top_k > 0 else self.vocab_size
         self._top_k[slot] = min(top_k, self.vocab_size)
+        self._seed[slot] = seed
         if params.repetition_penalty != 1.0:
             self._seen[slot] = False
             self._seen[slot, torch.tensor(prompt_ids, device=self.device)] = True
@@ -39,6 +42,7 @@ class SlotParams:
     def move(self, src: int, dst: int) -> None:
         self._floats[dst] = self._floats[src]
         self._top_k[dst] = self._top_k[src]
+        self._seed[dst] = self._seed[src]
         self._seen[dst] = self._seen[src]
 
     def gather(self, slots: torch.Tensor, params: list[SamplingParams]) -> SamplingTensors:
@@ -50,6 +54,7 @@ class SlotParams:
             top_p=floats[:, TOP_P],
             repetition_penalty=floats[:, PENALTY],
             do_sample=floats[:, DO_SAMPLE] > 0,
+            seed=self._seed[slots],
             any_sample=any(p.do_sample for p in params),
             any_top_k_top_p=any(p.do_sample and (p.top_k > 0 or p.top_p < 1.0) for p in params),
             any_penalty=any(p.repetition_penalty != 1.0 for p in params),

@@ -10,9 +10,8 @@ import torch
 
 from model.beam import BeamParams, BeamSearch, reorder_beam_slots
 from model.kv_cache import KVCache
-from service.requests import FinishedSequence, SamplingParams
-from service.scheduler import RequestState
-from weights.tokenizer import GPT2Tokenizer
+from service.engine.scheduler import RequestState
+from service.engine.types import FinishedSequence, SamplingParams
 
 
 def start_beam_search(params: SamplingParams, prompt: list[int], eos_token_id: int) -> BeamSearch:
@@ -51,12 +50,12 @@ def advance_beams(state: RequestState, logits: torch.Tensor, row_of: dict[int, i
     return False
 
 
-def beam_results(state: RequestState, tokenizer: GPT2Tokenizer) -> list[FinishedSequence]:
-    """The best num_return_sequences hypotheses, best first."""
+def beam_results(state: RequestState) -> list[FinishedSequence]:
+    """The best num_return_sequences hypotheses, best first (the HTTP side decodes their text)."""
     return [
         FinishedSequence(
             token_ids=hypothesis.token_ids,
-            text=tokenizer.decode(hypothesis.token_ids, skip_special_tokens=True),
+            text="",
             logprobs=hypothesis.token_logprobs,
             finish_reason=hypothesis.finish_reason,
             score=hypothesis.score,

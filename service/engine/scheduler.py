@@ -1,8 +1,8 @@
 """Which sequences run each step: the waiting queue, admission into KV-cache slots, cancellation.
 
-Thread model: `submit` and `cancel` are called from the HTTP side (any thread) and only touch
-the waiting queue and the cancel set, under a lock. Everything else (running requests, slots)
-belongs to the engine thread, which calls `schedule` once per step.
+Thread model: `submit` and `cancel` may be called from another thread than the one stepping
+(tests drive both from one) and only touch the waiting queue and the cancel set, under a lock.
+Everything else (running requests, slots) belongs to the caller of `schedule`, once per step.
 """
 
 from __future__ import annotations
@@ -13,22 +13,61 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import torch
-
 from model.kv_cache import KVCache
-from service.requests import (
+from service.engine.types import (
     EngineStopped,
     FinishReason,
     GenerationRequest,
     QueueFull,
     SamplingParams,
 )
-from service.text_stream import TextStream
 
 
 def slots_needed(params: SamplingParams) -> int:
     """KV-cache slots a request holds while it runs: one per beam or returned sequence."""
     return max(params.num_beams, params.num_return_sequences)
+
+
+def validate_request(request: GenerationRequest, max_len: int, max_slots: int) -> None:
+    """Refuse what can never run, saying why (the HTTP side turns this into a 422).
+
+    The HTTP side calls it before sending a request to the core, and the core again on receipt.
+    """
+    p, prompt_length = request.params, len(request.prompt_ids)
+    if prompt_length == 0:
+        raise ValueError("the prompt is empty: at least one token is needed")
+    if p.max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be at least 1, got {p.max_new_tokens}")
+    if prompt_length + p.max_new_tokens > max_len:
+        raise ValueError(
+            f"prompt ({prompt_length} tokens) + max_new_tokens ({p.max_new_tokens}) exceeds "
+            f"the maximum sequence length {max_len}"
+        )
+    if p.num_beams < 1 or p.num_return_sequences < 1:
+        raise ValueError("num_beams and num_return_sequences must be at least 1")
+    if p.num_beams > 1 and p.do_sample:
+        raise ValueError("beam search with sampling is not supported: set do_sample=false")
+    if p.num_beams > 1 and p.num_return_sequences > p.num_beams:
+        raise ValueError(
+            f"num_return_sequences ({p.num_return_sequences}) must not exceed num_beams ({p.num_beams})"
+        )
+    if p.num_beams == 1 and p.num_return_sequences > 1 and not p.do_sample:
+        raise ValueError("several return sequences need do_sample=true or num_beams > 1")
+    if p.do_sample and p.temperature <= 0:
+        raise ValueError(f"temperature must be positive when sampling, got {p.temperature}")
+    if not 0 < p.top_p <= 1 or p.top_k < 0 or p.repetition_penalty <= 0:
+        raise ValueError("top_p must be in (0, 1], top_k >= 0, repetition_penalty > 0")
+    if any(not s for s in p.stop):
+        raise ValueError("stop strings must not be empty")
+    if p.num_beams > 1 and p.stop:
+        raise ValueError("stop strings are not supported with beam search")
+    if not math.isfinite(p.length_penalty) or p.early_stopping not in (True, False, "never"):
+        raise ValueError("length_penalty must be finite; early_stopping true, false or 'never'")
+    if slots_needed(p) > max_slots:
+        raise ValueError(
+            f"the request needs {slots_needed(p)} sequences at once; the engine has "
+            f"{max_slots} slots"
+        )
 
 
 @dataclass
@@ -39,10 +78,6 @@ class Sequence:
     slot: int
     token_ids: list[int]  # prompt + generated; the cache holds all but the last
     prompt_length: int
-    text: TextStream
-    generator: torch.Generator | None
-    logprobs: list[float] = field(default_factory=list)
-    token_times: list[float] = field(default_factory=list)
     finish_reason: FinishReason | None = None
 
     @property
@@ -109,49 +144,11 @@ class Scheduler:
         self._active_ids: set[str] = set()  # submitted and not yet finished
         self._closed = False
 
-    # --- HTTP side ----------------------------------------------------------------------------
-    def validate(self, request: GenerationRequest) -> None:
-        """Refuse what can never run, saying why (the HTTP layer turns this into a 422)."""
-        p, prompt_length = request.params, len(request.prompt_ids)
-        if prompt_length == 0:
-            raise ValueError("the prompt is empty: at least one token is needed")
-        if p.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be at least 1, got {p.max_new_tokens}")
-        if prompt_length + p.max_new_tokens > self.cache.max_len:
-            raise ValueError(
-                f"prompt ({prompt_length} tokens) + max_new_tokens ({p.max_new_tokens}) exceeds "
-                f"the maximum sequence length {self.cache.max_len}"
-            )
-        if p.num_beams < 1 or p.num_return_sequences < 1:
-            raise ValueError("num_beams and num_return_sequences must be at least 1")
-        if p.num_beams > 1 and p.do_sample:
-            raise ValueError("beam search with sampling is not supported: set do_sample=false")
-        if p.num_beams > 1 and p.num_return_sequences > p.num_beams:
-            raise ValueError(
-                f"num_return_sequences ({p.num_return_sequences}) must not exceed num_beams ({p.num_beams})"
-            )
-        if p.num_beams == 1 and p.num_return_sequences > 1 and not p.do_sample:
-            raise ValueError("several return sequences need do_sample=true or num_beams > 1")
-        if p.do_sample and p.temperature <= 0:
-            raise ValueError(f"temperature must be positive when sampling, got {p.temperature}")
-        if not 0 < p.top_p <= 1 or p.top_k < 0 or p.repetition_penalty <= 0:
-            raise ValueError("top_p must be in (0, 1], top_k >= 0, repetition_penalty > 0")
-        if any(not s for s in p.stop):
-            raise ValueError("stop strings must not be empty")
-        if p.num_beams > 1 and p.stop:
-            raise ValueError("stop strings are not supported with beam search")
-        if not math.isfinite(p.length_penalty) or p.early_stopping not in (True, False, "never"):
-            raise ValueError("length_penalty must be finite; early_stopping true, false or 'never'")
-        if slots_needed(p) > self.cache.max_slots:
-            raise ValueError(
-                f"the request needs {slots_needed(p)} sequences at once; the engine has "
-                f"{self.cache.max_slots} slots"
-            )
-
+    # --- submission side ----------------------------------------------------------------------------
     def submit(self, requests: list[GenerationRequest]) -> list[RequestState]:
         """Queue requests to be admitted together (several prompts of one HTTP call)."""
         for request in requests:
-            self.validate(request)
+            validate_request(request, self.cache.max_len, self.cache.max_slots)
         ids = [r.request_id for r in requests]
         states = [RequestState(request) for request in requests]
         with self._lock:
@@ -194,7 +191,7 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.running) or self._waiting_count > 0 or bool(self._cancel)
 
-    # --- engine side --------------------------------------------------------------------------
+    # --- stepping side --------------------------------------------------------------------------
     def schedule(self, now: float) -> StepPlan:
         with self._lock:
             cancel, self._cancel = self._cancel, set()

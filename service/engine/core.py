@@ -1,14 +1,15 @@
-"""The generation engine: one `step` = schedule → run → postprocess, as nano-vllm's LLMEngine.step.
+"""The engine core: one `step` = schedule → run → postprocess, as nano-vllm's LLMEngine.step.
 
 - schedule: the Scheduler admits waiting requests into free KV-cache slots and says who decodes;
 - run: one padded forward for the admitted prompts (prefill), one batched forward with one token
   per running sequence (decode), then one sampling call over every row outside beam search and
   one device→host copy (each beam-search request adds its own step and copy);
-- postprocess: append tokens, release text through stop-string hold-back, check stop conditions,
-  free finished slots, report TokenEvents and FinishedRequests.
+- postprocess: append token ids, check EOS and length, free finished slots, report one CoreStep.
 
-No HTTP and no asyncio here: a test drives `step()` (or `generate()`) directly; service/loop.py
-runs it in a background thread for the server.
+Token ids only: text, stop strings and response assembly belong to the HTTP side
+(service/outputs.py), so the core's per-step Python work is a few list operations per row.
+No HTTP, no asyncio, no IPC here: service/engine/process.py runs it in its own process, and a
+test drives `step()` directly (or through service/inprocess.py, with text).
 """
 
 from __future__ import annotations
@@ -24,24 +25,24 @@ import torch
 from model.gpt2 import GPT2
 from model.kv_cache import KVCache
 from model.sampling import choose_tokens, token_logprobs
-from service.beam_requests import advance_beams, beam_results, start_beam_search
-from service.requests import (
-    FinishedRequest,
-    FinishedSequence,
+from service.engine.beams import advance_beams, beam_results, start_beam_search
+from service.engine.scheduler import RequestState, Scheduler, Sequence, StepPlan
+from service.engine.slot_params import SlotParams
+from service.engine.types import (
+    CoreStep,
+    CoreToken,
     GenerationRequest,
+    RequestDone,
     RequestFailed,
+    RequestStarted,
     StepStats,
-    TokenEvent,
 )
-from service.scheduler import RequestState, Scheduler, Sequence, StepPlan
-from service.slot_params import SlotParams
-from service.text_stream import TextStream
-from weights.tokenizer import GPT2Tokenizer
 
 log = logging.getLogger(__name__)
 
 # Spreads the seeds of a request's several sampled sequences (2^64 / golden ratio).
 SEED_STRIDE = 0x9E3779B97F4A7C15
+SEED_MODULUS = 2**63  # seeds are int64 tensors on the device
 # Prompt log-probabilities go through the LM head this many positions at a time, so a long
 # prompt never materialises [prompt, vocab] logits at once.
 PROMPT_LOGPROB_CHUNK = 256
@@ -56,14 +57,6 @@ class EngineConfig:
 
 
 @dataclass
-class StepOutput:
-    events: list[TokenEvent]
-    finished: list[FinishedRequest]
-    stats: StepStats | None  # set once the step is over
-    failed: list[RequestFailed] = field(default_factory=list)
-
-
-@dataclass
 class StepRows:
     """The layout of one step's logits, known before the forwards run."""
 
@@ -72,6 +65,7 @@ class StepRows:
     sampled: list[tuple[RequestState, Sequence]]  # what the sampler draws for (beams aside)
     sample_rows: torch.Tensor  # [B] logits row of each sampled sequence
     sample_slots: torch.Tensor  # [B] its KV-cache slot (and parameter-table row)
+    sample_counters: torch.Tensor  # [B] tokens its sequence holds: which draw of its seed
 
 
 @dataclass
@@ -82,16 +76,25 @@ class SampledToken:
     logprob: float
 
 
-class Engine:
+@dataclass
+class StepResults:
+    """What postprocessing collects during one step, before it becomes a CoreStep."""
+
+    tokens: list[CoreToken] = field(default_factory=list)
+    started: list[RequestStarted] = field(default_factory=list)
+    done: list[RequestDone] = field(default_factory=list)
+
+
+class EngineCore:
     def __init__(
         self,
         model: GPT2,
-        tokenizer: GPT2Tokenizer,
+        eos_token_id: int,
         config: EngineConfig = EngineConfig(),
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.model = model.eval()
-        self.tokenizer = tokenizer
+        self.eos_token_id = eos_token_id
         self.config = config
         self.device = model.device
         self.clock = clock
@@ -100,7 +103,7 @@ class Engine:
         self.slot_params = SlotParams(config.max_slots, model.config.vocab_size, self.device)
         self.scheduler = Scheduler(self.cache, config.max_waiting, config.max_prefill_tokens, self._start)
 
-    # --- the HTTP side's entry points (thread-safe) --------------------------------------------
+    # --- entry points -------------------------------------------------------------------------
     def submit(self, requests: list[GenerationRequest]) -> None:
         """Queue requests to be prefilled together. Raises ValueError, QueueFull, EngineStopped."""
         self.scheduler.submit(requests)
@@ -111,36 +114,26 @@ class Engine:
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
-    def generate(self, requests: list[GenerationRequest]) -> list[FinishedRequest]:
-        """Run steps until these requests finish (tests, benchmarks; not with the loop running)."""
-        self.submit(requests)
-        results: dict[str, FinishedRequest] = {}
-        while len(results) < len(requests):
-            output = self.step()
-            if output.failed:
-                raise RuntimeError(output.failed[0].message)
-            results.update((f.request_id, f) for f in output.finished)
-        return [results[r.request_id] for r in requests]
-
     # --- one step -------------------------------------------------------------------------------
-    def step(self) -> StepOutput:
+    def step(self) -> CoreStep:
         started = self.clock()
-        output = StepOutput(events=[], finished=[], stats=None)
+        results = StepResults()
+        failed: list[RequestFailed] = []
         prefill_tokens = decode_tokens = batch_size = 0
         try:
             plan = self.scheduler.schedule(started)
-            output.finished = [self._finish(state, started) for state in plan.cancelled]
+            results.done = [self._finish(state) for state in plan.cancelled]
             prefill_tokens = sum(len(s.request.prompt_ids) for s in plan.prefill)
             decode_tokens = sum(len(s.live) for s in plan.decode)
             if plan.prefill or plan.decode:
-                batch_size = self._run_and_postprocess(plan, output)
+                batch_size = self._run_and_postprocess(plan, results)
         except Exception as exc:  # e.g. out of device memory: fail these requests, keep serving
             log.exception("engine step failed")
-            output.failed = [
+            failed = [
                 RequestFailed(state.request.request_id, f"engine step failed: {exc}")
                 for state in self.scheduler.abort_running()
             ]
-        output.stats = StepStats(
+        stats = StepStats(
             batch_size=batch_size,
             prefill_tokens=prefill_tokens,
             decode_tokens=decode_tokens,
@@ -149,11 +142,11 @@ class Engine:
             kv_slots_used=self.cache.slots_used,
             kv_slots_total=self.cache.max_slots,
             step_seconds=self.clock() - started,
-            finished=len(output.finished),
+            finished=len(results.done),
         )
-        return output
+        return CoreStep(results.tokens, results.started, results.done, failed, stats)
 
-    def _run_and_postprocess(self, plan: StepPlan, output: StepOutput) -> int:
+    def _run_and_postprocess(self, plan: StepPlan, results: StepResults) -> int:
         """The step's model work and bookkeeping; returns how many rows got a token."""
         active = plan.prefill + plan.decode
         with torch.inference_mode():
@@ -166,13 +159,12 @@ class Engine:
                 if state.beam is not None and advance_beams(state, logits, rows.row_of, self.cache):
                     for beam in state.sequences:  # finish() gives each hypothesis its reason
                         self.scheduler.release_sequence(beam, "length")
-        now = self.clock()
-        output.events = [self._advance(s, now) for s in sampled]
-        for state in active:
-            if state.first_token_time is None:
-                state.first_token_time = now
-            if state.done:
-                output.finished.append(self._finish(state, now))
+        results.started = [
+            RequestStarted(s.request.request_id, s.scheduled_time - s.request.arrival_time, s.seed, s.prompt_logprobs)
+            for s in plan.prefill
+        ]
+        results.tokens = [self._advance(s) for s in sampled]
+        results.done += [self._finish(state) for state in active if state.done]
         self.scheduler.drop_finished()
         return len(rows.row_of)
 
@@ -183,17 +175,13 @@ class Engine:
         if params.do_sample:
             state.seed = params.seed if params.seed is not None else secrets.randbits(63)
         if params.num_beams > 1:
-            state.beam = start_beam_search(params, prompt, self.tokenizer.eos_token_id)
+            state.beam = start_beam_search(params, prompt, self.eos_token_id)
         sequences = []
         for index, slot in enumerate(slots):
-            generator = None
-            if params.do_sample:
-                generator = torch.Generator(device=self.device)
-                generator.manual_seed((state.seed + index * SEED_STRIDE) % 2**64)
             if state.beam is None:
-                self.slot_params.write(slot, params, prompt)
-            text = TextStream(self.tokenizer, params.stop)
-            sequences.append(Sequence(index, slot, list(prompt), len(prompt), text, generator))
+                seed = (state.seed + index * SEED_STRIDE) % SEED_MODULUS if params.do_sample else 0
+                self.slot_params.write(slot, params, prompt, seed)
+            sequences.append(Sequence(index, slot, list(prompt), len(prompt)))
         return sequences
 
     def _move(self, src: int, dst: int, length: int) -> None:
@@ -220,7 +208,8 @@ class Engine:
         ]
         sample_rows = torch.tensor([row_of[seq.slot] for _, seq in sampled], device=self.device)
         sample_slots = torch.tensor([seq.slot for _, seq in sampled], device=self.device)
-        return StepRows(decoding, row_of, sampled, sample_rows, sample_slots)
+        sample_counters = torch.tensor([len(seq.token_ids) for _, seq in sampled], device=self.device)
+        return StepRows(decoding, row_of, sampled, sample_rows, sample_slots, sample_counters)
 
     def _run(self, plan: StepPlan, rows: StepRows) -> torch.Tensor:
         """Logits [rows, V] in the layout of `rows`."""
@@ -236,7 +225,7 @@ class Engine:
         longest = max(len(p) for p in prompts)
         # Padding sits after each prompt, at positions no real token of that row attends to;
         # its cache entries are overwritten by the row's own later tokens before they are read.
-        padded = [p + [self.tokenizer.eos_token_id] * (longest - len(p)) for p in prompts]
+        padded = [p + [self.eos_token_id] * (longest - len(p)) for p in prompts]
         input_ids = torch.tensor(padded, device=self.device)  # [B, T]
         positions = torch.arange(longest, device=self.device).expand(len(prompts), longest)  # [B, T]
         last = torch.tensor([len(p) - 1 for p in prompts], device=self.device)  # [B]
@@ -290,8 +279,7 @@ class Engine:
         slots = rows.sample_slots
         params = self.slot_params.gather(slots, [state.params for state, _ in rows.sampled])
         seen = self.slot_params.seen(slots) if params.any_penalty else None
-        generators = [seq.generator for _, seq in rows.sampled]
-        tokens, logprobs = choose_tokens(logits[rows.sample_rows], params, generators, seen)  # [B], [B]
+        tokens, logprobs = choose_tokens(logits[rows.sample_rows], params, rows.sample_counters, seen)  # [B], [B]
         if params.any_penalty:
             self.slot_params.mark_seen(slots, tokens)
         # The sampler's one device→host copy: tokens and their log-probs together (float64 holds
@@ -303,58 +291,21 @@ class Engine:
         ]
 
     # --- postprocess ------------------------------------------------------------------------------
-    def _advance(self, sampled: SampledToken, now: float) -> TokenEvent:
+    def _advance(self, sampled: SampledToken) -> CoreToken:
         state, seq, token = sampled.state, sampled.seq, sampled.token
         seq.token_ids.append(token)
-        seq.logprobs.append(sampled.logprob)
-        seq.token_times.append(now)
-        text = seq.text.add(token)
         params = state.params
-        if seq.text.stopped:
-            reason = "stop_sequence"
-        elif token == self.tokenizer.eos_token_id and not params.ignore_eos:
+        if token == self.eos_token_id and not params.ignore_eos:
             reason = "eos_token"
         elif len(seq.token_ids) - seq.prompt_length >= params.max_new_tokens:
             reason = "length"
         else:
             reason = None
         if reason is not None:
-            text += seq.text.finish()
             self.scheduler.release_sequence(seq, reason)
-        return TokenEvent(state.request.request_id, seq.index, token, text, sampled.logprob, now)
+        return (state.request.request_id, seq.index, token, sampled.logprob, reason)
 
-    def _finish(self, state: RequestState, now: float) -> FinishedRequest:
-        request = state.request
-        self.scheduler.forget(request.request_id)
-        if state.beam is not None and state.beam.done:
-            sequences = beam_results(state, self.tokenizer)
-        elif state.beam is not None or not state.sequences:
-            # Cancelled before it produced anything it could return.
-            sequences = [
-                FinishedSequence([], "", [], "cancelled")
-                for _ in range(state.params.num_return_sequences)
-            ]
-        else:
-            sequences = [
-                FinishedSequence(
-                    token_ids=seq.generated,
-                    text=seq.text.text,
-                    logprobs=seq.logprobs,
-                    finish_reason=seq.finish_reason,
-                    token_times=seq.token_times,
-                )
-                for seq in state.sequences
-            ]
-        arrival = request.arrival_time
-        return FinishedRequest(
-            request_id=request.request_id,
-            sequences=sequences,
-            prompt_tokens=len(request.prompt_ids),
-            seed=state.seed,
-            queue_seconds=(state.scheduled_time or now) - arrival,
-            first_token_seconds=(
-                state.first_token_time - arrival if state.first_token_time is not None else None
-            ),
-            total_seconds=now - arrival,
-            prompt_logprobs=state.prompt_logprobs,
-        )
+    def _finish(self, state: RequestState) -> RequestDone:
+        self.scheduler.forget(state.request.request_id)
+        beams = beam_results(state) if state.beam is not None and state.beam.done else None
+        return RequestDone(state.request.request_id, beams)

@@ -1,0 +1,241 @@
+"""The HTTP process's handle on the engine core process (vLLM V1's AsyncLLM / core client).
+
+    client = EngineClient(config, tokenizer, on_step=metrics.observe_step, max_in_flight=80)
+    await client.start()                       # spawns the core, waits until its model is loaded
+    queues = client.submit([request_a, ...])   # on the event loop; prefilled together
+    item = await queues[0].get()               # TokenEvent* then FinishedRequest | RequestFailed
+    finished = client.cancel(request_id)       # the client left: finished now, as cancelled
+    await client.stop(timeout=30)              # drain: let running requests finish, then exit
+
+Everything runs on the event loop: one reader task receives the core's per-step messages, turns
+them into text and results (service/outputs.py) and hands each request's items to its queue.
+Admission is decided here, synchronously, so a refusal is an immediate 422 / 429 / 503: the core
+never has to answer a request with anything but tokens.
+If the core process dies, every waiting request fails at once and `running` turns False
+(/health answers 503).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from dataclasses import replace
+
+import zmq
+import zmq.asyncio
+
+from service.engine.process import CoreProcessConfig, run_core
+from service.engine.protocol import (
+    AbortRequests,
+    AddRequests,
+    CoreExit,
+    CoreOutput,
+    CoreReady,
+    Shutdown,
+    encoder,
+    from_core,
+)
+from service.engine.scheduler import validate_request
+from service.engine.types import (
+    EngineStopped,
+    FinishedRequest,
+    GenerationRequest,
+    QueueFull,
+    RequestFailed,
+    StepStats,
+    TokenEvent,
+)
+from service.outputs import OutputProcessor
+from weights.tokenizer import GPT2Tokenizer
+
+log = logging.getLogger(__name__)
+
+QueueItem = TokenEvent | FinishedRequest | RequestFailed
+
+
+class EngineClient:
+    def __init__(
+        self,
+        config: CoreProcessConfig,
+        tokenizer: GPT2Tokenizer,
+        on_step: Callable[[StepStats], None] | None = None,
+        max_in_flight: int | None = None,
+    ) -> None:
+        """`config`'s addresses are filled in by start(); `max_in_flight` bounds the requests
+        admitted and not yet finished (running plus waiting); more get QueueFull."""
+        if config.engine.max_len is None:
+            raise ValueError("the engine config must name max_len: the HTTP side validates lengths")
+        self.config = config
+        self.max_len = config.engine.max_len
+        self.outputs = OutputProcessor(tokenizer)
+        self.on_step = on_step
+        self.max_in_flight = max_in_flight or config.engine.max_slots + config.engine.max_waiting
+        self.last_stats: StepStats | None = None
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._process: multiprocessing.process.BaseProcess | None = None
+        self._context: zmq.asyncio.Context | None = None
+        self._to_core: zmq.asyncio.Socket | None = None
+        self._from_core: zmq.asyncio.Socket | None = None
+        self._reader: asyncio.Task | None = None
+        self._socket_dir: str | None = None
+        self._closed = False  # stop() was called: no new work
+        self._dead = False
+
+    # --- life cycle ------------------------------------------------------------------------------
+    async def start(self, timeout: float = 300.0) -> None:
+        """Spawn the core and wait until it has loaded the model. Raises RuntimeError if it cannot."""
+        self._socket_dir = tempfile.mkdtemp(prefix="gpt2-core-")
+        self._context = zmq.asyncio.Context()
+        self._to_core = self._context.socket(zmq.PUSH)
+        self._from_core = self._context.socket(zmq.PULL)
+        inputs, outputs = (f"ipc://{self._socket_dir}/{name}" for name in ("in", "out"))
+        self._to_core.bind(inputs)
+        self._from_core.bind(outputs)
+        config = replace(self.config, input_address=inputs, output_address=outputs)
+        # spawn, not fork: the HTTP process has threads (and, on a GPU, a CUDA context).
+        self._process = multiprocessing.get_context("spawn").Process(
+            target=run_core, args=(config,), name="gpt2-engine-core", daemon=True
+        )
+        self._process.start()
+        try:
+            first = from_core.decode(await asyncio.wait_for(self._from_core.recv(), timeout))
+        except asyncio.TimeoutError:
+            await self._kill()
+            raise RuntimeError(f"the engine core did not start within {timeout:.0f} s") from None
+        if not isinstance(first, CoreReady):
+            await self._kill()
+            raise RuntimeError(getattr(first, "reason", f"unexpected first message {first!r}"))
+        loop = asyncio.get_running_loop()
+        loop.add_reader(self._process.sentinel, self._on_core_exit)
+        self._reader = loop.create_task(self._read(), name="engine-core-reader")
+
+    @property
+    def running(self) -> bool:
+        return self._reader is not None and not self._dead
+
+    async def stop(self, timeout: float | None = None, drain: bool = True) -> None:
+        """Take no new work; let running requests finish (cancelled after `timeout` seconds)."""
+        self._closed = True
+        if self._process is None:
+            return
+        if self.running:
+            self._send(Shutdown(drain=drain, timeout=timeout))
+            if self._reader is not None:
+                # The reader ends on the core's CoreExit, after delivering its last results.
+                grace = None if timeout is None else timeout + 10.0
+                await asyncio.wait({self._reader}, timeout=grace)
+        await self._kill()
+
+    async def _kill(self) -> None:
+        process, self._process = self._process, None
+        if process is None:
+            return
+        asyncio.get_running_loop().remove_reader(process.sentinel)
+        await asyncio.to_thread(process.join, 5.0)
+        if process.is_alive():
+            process.kill()  # it ignores SIGTERM: the HTTP side owns its shutdown
+            await asyncio.to_thread(process.join)
+        if self._reader is not None and not self._reader.done():
+            self._reader.cancel()
+        self._dead = True
+        self._deliver_failures("the engine core stopped")
+        for sock in (self._to_core, self._from_core):
+            if sock is not None:
+                sock.close(linger=0)
+        if self._context is not None:
+            self._context.term()
+        if self._socket_dir is not None:
+            shutil.rmtree(self._socket_dir, ignore_errors=True)
+
+    # --- requests ---------------------------------------------------------------------------------
+    def submit(self, requests: list[GenerationRequest]) -> list[asyncio.Queue]:
+        """Queue requests; raises ValueError (422), QueueFull (429) or EngineStopped (503)."""
+        if self._closed or not self.running:
+            raise EngineStopped("the engine is shutting down" if self._closed else "the engine is not running")
+        engine = self.config.engine
+        for request in requests:
+            validate_request(request, self.max_len, engine.max_slots)
+        if len(self.outputs) + len(requests) > self.max_in_flight:
+            raise QueueFull(f"{len(self.outputs)} requests are in flight (limit {self.max_in_flight})")
+        queues = [asyncio.Queue() for _ in requests]
+        self._queues.update((r.request_id, q) for r, q in zip(requests, queues))
+        self.outputs.add(requests)
+        self._send(AddRequests(requests))
+        return queues
+
+    def cancel(self, request_id: str) -> FinishedRequest | None:
+        """Finish the request now, as cancelled, and free its slots in the core (None if it had
+        already finished). Its queue gets nothing more."""
+        self._queues.pop(request_id, None)
+        finished = self.outputs.abort(request_id)
+        if finished is not None and self.running:
+            self._send(AbortRequests([request_id]))
+        return finished
+
+    @property
+    def in_flight(self) -> int:
+        return len(self.outputs)
+
+    def _send(self, message) -> None:
+        # A PUSH to a connected peer does not block below its high-water mark (1000 messages).
+        self._to_core.send(encoder.encode(message), copy=False)
+
+    # --- the core's messages ------------------------------------------------------------------------
+    async def _read(self) -> None:
+        while True:
+            message = from_core.decode(await self._from_core.recv())
+            if isinstance(message, CoreExit):
+                if message.reason != "shut down":
+                    log.error("engine core exited: %s", message.reason)
+                self._dead = True
+                self._deliver_failures(f"the engine core exited: {message.reason}")
+                return
+            if isinstance(message, CoreOutput):
+                self._take_step(message)
+
+    def _take_step(self, message: CoreOutput) -> None:
+        step = message.step
+        processed = self.outputs.process(step)
+        if processed.abort:
+            self._send(AbortRequests(processed.abort))
+        self.last_stats = step.stats
+        # Stats first: a client that reads /metrics right after its reply must see the step
+        # that finished it (gauges such as KV-cache usage), not the one before.
+        if self.on_step is not None:
+            try:
+                self.on_step(step.stats)
+            except Exception:
+                log.exception("on_step callback failed")
+        for event in processed.events:
+            queue = self._queues.get(event.request_id)
+            if queue is not None:
+                queue.put_nowait(event)
+        for result in [*processed.finished, *processed.failed]:
+            queue = self._queues.pop(result.request_id, None)
+            if queue is not None:
+                queue.put_nowait(result)
+
+    def _on_core_exit(self) -> None:
+        """The core's process ended. A clean shutdown is finished by the reader; a crash fails
+        every waiting request now rather than leaving its client hanging."""
+        if self._process is not None:
+            asyncio.get_running_loop().remove_reader(self._process.sentinel)
+        if self._closed:
+            return
+        code = self._process.exitcode if self._process is not None else None
+        log.error("the engine core process died (exit code %s)", code)
+        self._dead = True
+        if self._reader is not None:
+            self._reader.cancel()
+        self._deliver_failures(f"the engine core process died (exit code {code})")
+
+    def _deliver_failures(self, message: str) -> None:
+        for failed in self.outputs.fail_all(message):
+            queue = self._queues.pop(failed.request_id, None)
+            if queue is not None:
+                queue.put_nowait(failed)

@@ -1,0 +1,144 @@
+"""The engine core's process: load the model, then step in this process's main thread.
+
+Started by service/client.py (multiprocessing, spawn). The loop, as vLLM V1's EngineCore:
+take every message waiting (blocking only while idle), run one step, send its CoreOutput.
+The HTTP process owns shutdown: SIGINT and SIGTERM are ignored here (a Ctrl-C or a container
+stop reaches the whole process group, and the HTTP side then drains us with a Shutdown message),
+and the core exits by itself if the HTTP process dies.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import zmq
+
+from service.engine.core import EngineConfig, EngineCore
+from service.engine.protocol import (
+    AbortRequests,
+    AddRequests,
+    CoreExit,
+    CoreOutput,
+    CoreReady,
+    Shutdown,
+    encoder,
+    to_core,
+)
+from service.engine.types import CoreStep, EngineStopped, QueueFull, RequestFailed, StepStats
+
+log = logging.getLogger(__name__)
+
+# While idle, wake this often to notice a dead HTTP process.
+IDLE_POLL_MS = 500
+
+
+@dataclass(frozen=True)
+class CoreProcessConfig:
+    model_dir: Path
+    device: str
+    dtype: str  # a key of service.settings.DTYPES
+    threads: int | None
+    engine: EngineConfig
+    eos_token_id: int
+    input_address: str = ""  # the HTTP side's PUSH socket, bound before the core starts
+    output_address: str = ""  # the HTTP side's PULL socket
+
+
+def run_core(config: CoreProcessConfig) -> None:
+    """multiprocessing target: never returns normally before a Shutdown or the parent's death."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s engine-core %(levelname)s %(message)s")
+    parent = os.getppid()
+    context = zmq.Context()
+    inputs = context.socket(zmq.PULL)
+    inputs.connect(config.input_address)
+    outputs = context.socket(zmq.PUSH)
+    outputs.connect(config.output_address)
+    try:
+        core = build_core(config)
+        outputs.send(encoder.encode(CoreReady(os.getpid())))
+        reason = CoreLoop(core, inputs, outputs, parent).run()
+    except Exception as exc:
+        log.exception("engine core failed")
+        reason = f"engine core failed: {type(exc).__name__}: {exc}"
+    outputs.send(encoder.encode(CoreExit(reason)))
+    outputs.close(linger=2000)  # let the last messages leave before the process ends
+    inputs.close(linger=0)
+    context.term()
+
+
+def build_core(config: CoreProcessConfig) -> EngineCore:
+    # Imported here: the settings module pulls pydantic, which the core does not otherwise need.
+    from service.settings import DTYPES
+    from weights.checkpoint import load_model
+
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    model = load_model(config.model_dir, device=config.device, dtype=DTYPES[config.dtype])
+    return EngineCore(model, config.eos_token_id, config.engine)
+
+
+class CoreLoop:
+    def __init__(self, core: EngineCore, inputs: zmq.Socket, outputs: zmq.Socket, parent_pid: int) -> None:
+        self.core = core
+        self.inputs = inputs
+        self.outputs = outputs
+        self.parent_pid = parent_pid
+        self.poller = zmq.Poller()
+        self.poller.register(inputs, zmq.POLLIN)
+        self.stopping = False
+        self.deadline: float | None = None
+
+    def run(self) -> str:
+        while True:
+            self._take_messages(block=not self.core.has_work() and not self.stopping)
+            if os.getppid() != self.parent_pid:
+                return "the HTTP process is gone"
+            if self.stopping:
+                if self.deadline is not None and time.monotonic() > self.deadline:
+                    self.core.scheduler.cancel_all()
+                    self.deadline = None  # the cancellations finish at the next step
+                if not self.core.has_work():
+                    return "shut down"
+            if self.core.has_work():
+                self._send(self.core.step())
+
+    def _take_messages(self, block: bool) -> None:
+        timeout = IDLE_POLL_MS if block else 0
+        while self.poller.poll(timeout):
+            self._handle(to_core.decode(self.inputs.recv()))
+            timeout = 0
+
+    def _handle(self, message) -> None:
+        if isinstance(message, AddRequests):
+            try:
+                self.core.submit(message.requests)
+            except (ValueError, QueueFull, EngineStopped) as exc:
+                # The HTTP side checked all this before sending; say so rather than drop them.
+                self._send_failed([r.request_id for r in message.requests], f"refused by the engine core: {exc}")
+        elif isinstance(message, AbortRequests):
+            for request_id in message.request_ids:
+                self.core.cancel(request_id)
+        elif isinstance(message, Shutdown):
+            self.stopping = True
+            self.core.scheduler.close()
+            if not message.drain:
+                self.core.scheduler.cancel_all()
+            elif message.timeout is not None:
+                self.deadline = time.monotonic() + message.timeout
+
+    def _send(self, step: CoreStep) -> None:
+        self.outputs.send(encoder.encode(CoreOutput(step)))
+
+    def _send_failed(self, request_ids: list[str], message: str) -> None:
+        cache = self.core.cache
+        stats = StepStats(0, 0, 0, len(self.core.scheduler.running), self.core.scheduler.waiting_count,
+                          cache.slots_used, cache.max_slots, 0.0)
+        self._send(CoreStep([], [], [], [RequestFailed(r, message) for r in request_ids], stats))

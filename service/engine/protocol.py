@@ -1,0 +1,53 @@
+"""Messages between the HTTP process and the engine-core process, and their encoding.
+
+ZeroMQ carries them (PUSH/PULL over a Unix socket, one each way) and msgspec's MessagePack
+encodes them, as vLLM's EngineCore client does: both are well kept, and msgspec encodes the
+engine's own dataclasses as they are, with no pickle on either side. One CoreOutput per engine
+step carries every request's new token ids at once, so the HTTP side wakes once per step.
+bench/bench_ipc.py measures this against multiprocessing's pickling pipe.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from service.engine.types import CoreStep, GenerationRequest
+
+
+class AddRequests(msgspec.Struct, tag=True):
+    """Requests to be prefilled together (the prompts of one HTTP call)."""
+
+    requests: list[GenerationRequest]
+
+
+class AbortRequests(msgspec.Struct, tag=True):
+    request_ids: list[str]
+
+
+class Shutdown(msgspec.Struct, tag=True):
+    """Take no new work; with drain, finish what runs (cancelling it after timeout seconds)."""
+
+    drain: bool
+    timeout: float | None = None
+
+
+class CoreReady(msgspec.Struct, tag=True):
+    pid: int
+
+
+class CoreOutput(msgspec.Struct, tag=True):
+    step: CoreStep
+
+
+class CoreExit(msgspec.Struct, tag=True):
+    """The core's last message before its process ends."""
+
+    reason: str
+
+
+ToCore = AddRequests | AbortRequests | Shutdown
+FromCore = CoreReady | CoreOutput | CoreExit
+
+encoder = msgspec.msgpack.Encoder()
+to_core = msgspec.msgpack.Decoder(ToCore)
+from_core = msgspec.msgpack.Decoder(FromCore)

@@ -1,0 +1,217 @@
+"""The engine core in its own process behind EngineClient: streaming, cancellation, admission,
+shutdown, and a core that dies.
+
+Every wait is bounded (WAIT seconds), so a broken client fails a test instead of hanging it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import pytest
+
+from service.client import EngineClient
+from service.engine.core import EngineConfig
+from service.engine.process import CoreProcessConfig
+from service.engine.types import (
+    EngineStopped,
+    FinishedRequest,
+    QueueFull,
+    RequestFailed,
+    StepStats,
+    TokenEvent,
+)
+from tests.conftest import TINY
+from tests.engine.conftest import hf_generate, make_request, random_prompt
+
+WAIT = 60.0
+
+
+@pytest.fixture
+def make_client(tiny_model_dir, tokenizer):
+    def make(on_step=None, max_in_flight=None, **engine) -> EngineClient:
+        engine_config = EngineConfig(**{"max_slots": 8, "max_len": TINY.n_positions, **engine})
+        config = CoreProcessConfig(tiny_model_dir, "cpu", "float32", 1, engine_config, tokenizer.eos_token_id)
+        return EngineClient(config, tokenizer, on_step=on_step, max_in_flight=max_in_flight)
+
+    return make
+
+
+async def collect(queue: asyncio.Queue) -> tuple[list[TokenEvent], FinishedRequest | RequestFailed]:
+    events = []
+    while True:
+        item = await asyncio.wait_for(queue.get(), WAIT)
+        if isinstance(item, (FinishedRequest, RequestFailed)):
+            return events, item
+        events.append(item)
+
+
+async def running_request(client: EngineClient, request) -> asyncio.Queue:
+    """Submit one request and wait until it has produced its first token."""
+    [queue] = client.submit([request])
+    assert isinstance(await asyncio.wait_for(queue.get(), WAIT), TokenEvent)
+    return queue
+
+
+async def idle_stats(client: EngineClient) -> StepStats:
+    """The stats of the core's step after a fresh one-token request: what is still held then."""
+    [queue] = client.submit([make_request([9], max_new_tokens=1)])
+    await collect(queue)
+    return client.last_stats
+
+
+def run(coroutine_function, *args):
+    return asyncio.run(asyncio.wait_for(coroutine_function(*args), 3 * WAIT))
+
+
+def test_requests_stream_from_the_core_process_and_match_generate(make_client, hf_model):
+    prompts = [random_prompt(n, seed=n) for n in (4, 9, 13)]
+    stats: list[StepStats] = []
+    client = make_client(on_step=stats.append)
+
+    async def main():
+        await client.start()
+        core_pid = client._process.pid
+        queues = client.submit([make_request(p, max_new_tokens=6) for p in prompts])
+        outputs = await asyncio.gather(*(collect(q) for q in queues))
+        await client.stop()
+        return core_pid, outputs
+
+    core_pid, outputs = run(main)
+    assert core_pid != os.getpid()  # the model ran in its own process
+    for prompt, (events, finished) in zip(prompts, outputs):
+        assert finished.sequences[0].token_ids == hf_generate(hf_model, prompt, 6)
+        assert [e.token_id for e in events] == finished.sequences[0].token_ids
+        assert "".join(e.text for e in events) == finished.sequences[0].text
+    assert stats[0].prefill_tokens == sum(len(p) for p in prompts)
+    assert sum(s.batch_size for s in stats) == 3 * 6
+    assert stats[-1].kv_slots_used == 0 and stats[-1].running == 0
+    assert not client.running
+
+
+def test_cancel_finishes_at_once_and_frees_the_core_slots(make_client):
+    client = make_client()
+
+    async def main():
+        await client.start()
+        request = make_request([1, 2, 3], request_id="c", max_new_tokens=100, do_sample=True,
+                               num_return_sequences=2)
+        queue = await running_request(client, request)
+        finished = client.cancel("c")
+        assert client.cancel("c") is None  # once only
+        after = await idle_stats(client)
+        await client.stop()
+        return finished, queue, after
+
+    finished, queue, after = run(main)
+    assert [s.finish_reason for s in finished.sequences] == ["cancelled", "cancelled"]
+    assert all(len(s.token_ids) < 100 for s in finished.sequences)
+    assert after.kv_slots_used == 0 and after.running == 0
+    while not queue.empty():  # whatever reached the queue before the cancel is tokens only
+        assert isinstance(queue.get_nowait(), TokenEvent)
+
+
+def test_a_stop_string_ends_the_request_and_aborts_it_in_the_core(make_client, tokenizer):
+    client = make_client()
+    prompt = random_prompt(5, seed=3)
+
+    async def main():
+        await client.start()
+        [queue] = client.submit([make_request(prompt, max_new_tokens=40, ignore_eos=True)])
+        _, full = await collect(queue)
+        stop = full.sequences[0].text[5:8]  # a stop string the output is sure to contain
+        [queue] = client.submit([make_request(prompt, max_new_tokens=40, ignore_eos=True, stop=(stop,))])
+        _, stopped = await collect(queue)
+        after = await idle_stats(client)
+        await client.stop()
+        return full, stopped, stop, after
+
+    full, stopped, stop, after = run(main)
+    text = full.sequences[0].text
+    assert stopped.sequences[0].finish_reason == "stop_sequence"
+    assert stopped.sequences[0].text == text[: text.index(stop)]
+    assert len(stopped.sequences[0].token_ids) < 40
+    assert after.kv_slots_used == 0 and after.running == 0
+
+
+def test_shutdown_drains_in_flight_requests_and_refuses_new_ones(make_client):
+    client = make_client(max_slots=2)
+
+    async def main():
+        await client.start()
+        queues = client.submit([make_request([7] * n, max_new_tokens=15) for n in (1, 2, 3)])
+        stopping = asyncio.ensure_future(client.stop())  # drain: everything submitted finishes
+        outputs = await asyncio.gather(*(collect(q) for q in queues))
+        await asyncio.wait_for(stopping, WAIT)
+        with pytest.raises(EngineStopped):
+            client.submit([make_request([1], max_new_tokens=1)])
+        return outputs
+
+    outputs = run(main)
+    assert [f.sequences[0].finish_reason for _, f in outputs] == ["length"] * 3
+    assert not client.running
+
+
+def test_shutdown_without_drain_cancels_in_flight_requests(make_client):
+    client = make_client()
+
+    async def main():
+        await client.start()
+        queue = await running_request(client, make_request([1, 2], max_new_tokens=100))
+        await client.stop(drain=False)
+        return await collect(queue)
+
+    _, finished = run(main)
+    assert finished.sequences[0].finish_reason == "cancelled"
+
+
+def test_admission_counts_requests_in_flight_and_refuses_at_once(make_client):
+    client = make_client(max_in_flight=2)
+
+    async def main():
+        await client.start()
+        client.submit([make_request([1], max_new_tokens=50, ignore_eos=True) for _ in range(2)])
+        with pytest.raises(QueueFull):
+            client.submit([make_request([2], max_new_tokens=1)])
+        with pytest.raises(ValueError):
+            client.submit([make_request([], request_id="empty")])
+        in_flight = client.in_flight
+        await client.stop(drain=False)
+        return in_flight
+
+    assert run(main) == 2
+
+
+def test_a_killed_core_fails_every_waiting_request_at_once(make_client):
+    client = make_client(max_slots=1)
+
+    async def main():
+        await client.start()
+        running = await running_request(client, make_request([1, 2], max_new_tokens=100, ignore_eos=True))
+        [waiting] = client.submit([make_request([3], max_new_tokens=5)])  # no free slot: queued
+        os.kill(client._process.pid, signal.SIGKILL)
+        results = [await collect(running), await collect(waiting)]
+        alive = client.running
+        with pytest.raises(EngineStopped):
+            client.submit([make_request([1], max_new_tokens=1)])
+        await client.stop()
+        return results, alive
+
+    results, alive = run(main)
+    for _, result in results:
+        assert isinstance(result, RequestFailed) and "died" in result.message
+    assert not alive
+
+
+def test_a_core_that_cannot_load_its_model_fails_start_with_its_reason(make_client, tmp_path):
+    client = make_client()
+    client.config = client.config.__class__(**{**vars(client.config), "model_dir": tmp_path / "missing"})
+
+    async def main():
+        with pytest.raises(RuntimeError, match="missing"):
+            await client.start(timeout=WAIT)
+        assert not client.running
+
+    run(main)
