@@ -12,10 +12,18 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from model.config import GPT2Config
 from model.kv_cache import KVCache, SlotBatch
 from model.linear import Conv1D, linear, pack
+
+
+# The attention kernels scaled_dot_product_attention may choose, best first: flash (no mask),
+# memory-efficient (masks), math (anything, and the CPU). Never cuDNN: on Hopper it builds an
+# execution plan for every new key length, 50-60 ms each time, and decode sees a new length
+# every step. Named here so the choice cannot change with a torch release's default order.
+ATTENTION_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 class MLP(nn.Module):
@@ -147,6 +155,7 @@ class GPT2(nn.Module):
         logits_index: torch.Tensor | None = None,
         output_attentions: bool = False,
         output_hidden_states: bool = False,
+        exact_kv_length: bool = True,
     ) -> ForwardOutput:
         """Run the decoder.
 
@@ -155,6 +164,8 @@ class GPT2(nn.Module):
             `positions`, and attention reads the first `kv_length` cached positions
             (default max(positions) + 1; pass it to avoid a device sync).
         logits_index: [B] index into T per row; only those tokens go through the LM head.
+        exact_kv_length: False when kv_length may exceed a row's own length (a fixed length, as
+            CUDA graphs need): every row is then masked, even a lone one.
         """
         B, T = input_ids.shape
         if positions is None:
@@ -165,7 +176,7 @@ class GPT2(nn.Module):
             kv_length = int(positions.max()) + 1 if cache is not None else T
         ctx = AttentionInputs(
             positions=positions,
-            mask=self._attention_mask(positions, kv_length, cached=cache is not None),
+            mask=self._attention_mask(positions, kv_length, cached=cache is not None, exact=exact_kv_length),
             kv_length=kv_length,
             cache=cache,
             rows=rows,
@@ -175,12 +186,13 @@ class GPT2(nn.Module):
         x = self.wte(input_ids) + self.wpe(positions)  # [B, T, C]
         hidden = [x] if output_hidden_states else None
         attentions = [] if output_attentions else None
-        for block in self.h:
-            x, probs = block(x, ctx)
-            if hidden is not None:
-                hidden.append(x)
-            if attentions is not None:
-                attentions.append(probs)
+        with sdpa_kernel(ATTENTION_BACKENDS):
+            for block in self.h:
+                x, probs = block(x, ctx)
+                if hidden is not None:
+                    hidden.append(x)
+                if attentions is not None:
+                    attentions.append(probs)
         if logits_index is not None:
             x = x[torch.arange(B, device=x.device), logits_index]  # [B, C]
         logits = self.lm_head(self.ln_f(x))  # [B, T, V] or [B, V]
@@ -188,10 +200,10 @@ class GPT2(nn.Module):
 
     @staticmethod
     def _attention_mask(
-        positions: torch.Tensor, kv_length: int, cached: bool
+        positions: torch.Tensor, kv_length: int, cached: bool, exact: bool = True
     ) -> torch.Tensor | None:
         B, T = positions.shape
-        if cached and B == 1 and T == 1:
+        if cached and exact and B == 1 and T == 1:
             return None  # one decode row reads exactly positions 0..p, all visible
         if cached:
             key_positions = torch.arange(kv_length, device=positions.device)[None, :]  # [1, L]

@@ -20,7 +20,10 @@ def parse_settings(argv: list[str] | None = None) -> Settings:
     # Flags override GPT2_* environment variables, which override the defaults.
     for name, field in Settings.model_fields.items():
         flag = "--" + name.replace("_", "-")
-        parser.add_argument(flag, dest=name, default=None, help=field.description)
+        if field.annotation is bool:  # --cuda-graphs / --no-cuda-graphs
+            parser.add_argument(flag, dest=name, default=None, help=field.description, action=argparse.BooleanOptionalAction)
+        else:
+            parser.add_argument(flag, dest=name, default=None, help=field.description)
     given = {k: v for k, v in vars(parser.parse_args(argv)).items() if v is not None}
     try:
         return Settings(**given)

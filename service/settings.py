@@ -23,6 +23,7 @@ class Settings(BaseSettings):
     device: Literal["cpu", "cuda"] = "cpu"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     threads: int | None = Field(None, ge=1, description="torch intra-op threads (CPU); default: torch's choice")
+    cuda_graphs: bool = Field(True, description="on CUDA, replay decode steps as CUDA graphs captured at start-up")
 
     # --- engine limits ----------------------------------------------------------------------
     max_batch_size: int = Field(16, ge=1, le=1024, description="KV-cache slots: sequences decoded together")

@@ -26,6 +26,7 @@ from model.gpt2 import GPT2
 from model.kv_cache import KVCache
 from model.sampling import choose_tokens, token_logprobs
 from service.engine.beams import advance_beams, beam_results, start_beam_search
+from service.engine.graphs import StaticDecode
 from service.engine.scheduler import RequestState, Scheduler, Sequence, StepPlan
 from service.engine.slot_params import SlotParams
 from service.engine.types import (
@@ -54,6 +55,9 @@ class EngineConfig:
     max_len: int | None = None  # tokens per sequence (prompt + new); default: the model's context
     max_waiting: int = 64  # requests queued beyond the running ones; more raise QueueFull
     max_prefill_tokens: int = 4096  # padded prompt tokens per prefill forward (at least one submission)
+    # Decode with static shapes (graphs.py): captured as CUDA graphs on a GPU, run eagerly
+    # elsewhere (tests prove the static path's tokens on the CPU).
+    static_decode: bool = False
 
 
 @dataclass
@@ -102,6 +106,9 @@ class EngineCore:
         self.cache = KVCache(model.config, config.max_slots, max_len, self.device, model.dtype)
         self.slot_params = SlotParams(config.max_slots, model.config.vocab_size, self.device)
         self.scheduler = Scheduler(self.cache, config.max_waiting, config.max_prefill_tokens, self._start)
+        self.static_decode = StaticDecode(self.model, self.cache) if config.static_decode else None
+        if self.static_decode is not None and self.device.type == "cuda":
+            self.static_decode.capture()  # on failure it says why and decodes eagerly
 
     # --- entry points -------------------------------------------------------------------------
     def submit(self, requests: list[GenerationRequest]) -> None:
@@ -212,12 +219,12 @@ class EngineCore:
         return StepRows(decoding, row_of, sampled, sample_rows, sample_slots, sample_counters)
 
     def _run(self, plan: StepPlan, rows: StepRows) -> torch.Tensor:
-        """Logits [rows, V] in the layout of `rows`."""
-        parts = []
-        if plan.prefill:
-            parts.append(self._prefill(plan.prefill))
-        if rows.decoding:
-            parts.append(self._decode(rows.decoding))
+        """Logits [rows, V] in the layout of `rows`: prefill rows, then decode rows."""
+        # Decode runs first: a padded static-decode row may write into a slot admitted this
+        # step, and that slot's prefill must come after to overwrite it.
+        decoded = self._decode(rows.decoding) if rows.decoding else None
+        prefilled = self._prefill(plan.prefill) if plan.prefill else None
+        parts = [part for part in (prefilled, decoded) if part is not None]
         return torch.cat(parts) if len(parts) > 1 else parts[0]
 
     def _prefill(self, states: list[RequestState]) -> torch.Tensor:
@@ -265,11 +272,14 @@ class EngineCore:
         return [None] + found
 
     def _decode(self, seqs: list[Sequence]) -> torch.Tensor:
+        slots = [s.slot for s in seqs]
+        if self.static_decode is not None and self.static_decode.covers(slots):
+            return self.static_decode.run([s.token_ids[-1] for s in seqs], [len(s.token_ids) - 1 for s in seqs])
         input_ids = torch.tensor([[s.token_ids[-1]] for s in seqs], device=self.device)  # [B, 1]
         positions = torch.tensor([[len(s.token_ids) - 1] for s in seqs], device=self.device)  # [B, 1]
         # kv_length from Python ints: no device sync to find the longest row.
         kv_length = max(len(s.token_ids) for s in seqs)
-        rows = self.cache.batch([s.slot for s in seqs])
+        rows = self.cache.batch(slots)
         out = self.model(input_ids, positions, self.cache, rows, kv_length=kv_length)
         return out.logits[:, -1]  # [B, V]
 

@@ -44,16 +44,30 @@ def test_each_prompt_alone_matches_generate(make_engine, references):
     assert engine.cache.slots_used == 0
 
 
-def test_all_prompts_in_one_batch_match_generate(make_engine, references):
-    engine = make_engine(max_slots=len(CASES))
+def count_static_runs(engine) -> list:
+    """Record each static-decode run (graphs.py), so a test knows that path was taken."""
+    runs = []
+    real_run = engine.core.static_decode.run
+    engine.core.static_decode.run = lambda ids, positions: (runs.append(len(ids)), real_run(ids, positions))[1]
+    return runs
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static-decode"])
+def test_all_prompts_in_one_batch_match_generate(make_engine, references, static):
+    engine = make_engine(max_slots=len(CASES), static_decode=static)
+    runs = count_static_runs(engine) if static else None
     results = engine.generate([greedy_request(length, new) for length, new in CASES])
     for (length, new), result in zip(CASES, results):
         assert result.sequences[0].token_ids == references[length, new], (length, new)
     assert engine.cache.slots_used == 0
+    if static:
+        assert runs and any(rows not in engine.core.static_decode.batch_sizes for rows in runs), runs
 
 
-def test_joining_and_leaving_mid_stream_changes_nobody(make_engine, references):
-    engine = make_engine(max_slots=4)
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static-decode"])
+def test_joining_and_leaving_mid_stream_changes_nobody(make_engine, references, static):
+    engine = make_engine(max_slots=4, static_decode=static)
+    runs = count_static_runs(engine) if static else None
     moves = []
     original_move = engine.core._move
     engine.core._move = lambda src, dst, length: (moves.append((src, dst)), original_move(src, dst, length))
@@ -73,6 +87,8 @@ def test_joining_and_leaving_mid_stream_changes_nobody(make_engine, references):
         assert results[request_id].sequences[0].token_ids == references[key], key
     assert moves, "the scenario should have packed a sequence into a lower slot"
     assert engine.cache.slots_used == 0
+    if static:  # padded batches ran (3 rows on 4), beside admissions into the padded slots
+        assert 3 in runs, runs
 
 
 def test_logprobs_match_transformers_log_softmax(make_engine, hf_model):

@@ -1,0 +1,237 @@
+"""Served speed: what streaming HTTP clients get, beside the engine called directly and
+transformers' generate(), on the same weights in the same run.
+
+    .venv/bin/python -m bench.bench_serve                        # CPU: 1 and 32 clients, fp32
+    .venv/bin/python -m bench.bench_serve --device cuda --dtype float16 --clients 1 16 64 256
+
+For each client count C it starts nothing new: one real server (`python -m service`, its engine
+core in its own process) serves every row. C concurrent clients each stream one
+`/generate_stream` request of --new-tokens tokens (greedy, ignore_eos) for a prompt of their own
+(lengths differ, so every step's shapes differ); a client that finishes starts its next request
+until --requests-per-client are done. Then, in this process, with the server idle:
+- the engine called directly: the same C requests through service.inprocess.Engine;
+- transformers' generate(): static batches of min(C, --reference-batch) padded prompts.
+Printed: aggregate tok/s, TTFT and inter-token latency p50/p99 (as the clients saw them), and
+served / engine and served / transformers ratios. Rerun on an idle machine: ratios are what to
+compare, and only within one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import torch
+
+from bench.common import describe_machine, load_both
+from service.engine.types import GenerationRequest, SamplingParams
+from service.inprocess import Engine, EngineConfig
+from tests.processes import STARTUP_TIMEOUT_S, clean_env, free_port
+from weights.tokenizer import GPT2Tokenizer
+
+WORDS = "the model reads a prompt and writes tokens one at a time while other clients wait".split()
+
+
+def prompt_texts(count: int, min_words: int, seed: int = 0) -> list[str]:
+    """Prompts of different lengths, so the batch's shapes change from step to step."""
+    generator = torch.Generator().manual_seed(seed)
+    texts = []
+    for i in range(count):
+        length = min_words + i % 17
+        picks = torch.randint(0, len(WORDS), (length,), generator=generator).tolist()
+        texts.append(" ".join(WORDS[p] for p in picks))
+    return texts
+
+
+@dataclass
+class ClientStats:
+    tokens: int = 0
+    ttft: list[float] = field(default_factory=list)
+    itl: list[float] = field(default_factory=list)
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+# --- the server ---------------------------------------------------------------------------------
+class Server:
+    def __init__(self, args: argparse.Namespace, slots: int) -> None:
+        self.port = free_port()
+        command = [
+            sys.executable, "-m", "service", "--model-dir", str(args.model_dir), "--port", str(self.port),
+            "--device", args.device, "--dtype", args.dtype, "--max-batch-size", str(slots),
+            "--max-waiting", str(max(64, slots)), "--max-new-tokens", str(max(args.new_tokens, 20)),
+        ]
+        if args.threads:
+            command += ["--threads", str(args.threads)]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.process = subprocess.Popen(command, env=clean_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"server exited: {self.process.stderr.read().decode()[-2000:]}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError("server did not start")
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+
+
+async def stream_one(http: httpx.AsyncClient, url: str, text: str, new_tokens: int, stats: ClientStats) -> None:
+    body = {"inputs": text, "parameters": {"max_new_tokens": new_tokens, "ignore_eos": True}}
+    start = time.perf_counter()
+    last = None
+    async with http.stream("POST", f"{url}/generate_stream", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data:"):
+                continue
+            event = json.loads(line[5:])
+            if "token" not in event:
+                raise RuntimeError(f"unexpected event: {event}")
+            now = time.perf_counter()
+            if last is None:
+                stats.ttft.append(now - start)
+            else:
+                stats.itl.append(now - last)
+            last = now
+            stats.tokens += 1
+
+
+async def drive_clients(url: str, texts: list[str], clients: int, per_client: int, new_tokens: int) -> tuple[ClientStats, float]:
+    stats = ClientStats()
+    limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=clients + 4)
+    async with httpx.AsyncClient(limits=limits, timeout=600) as http:
+
+        async def client(index: int) -> None:
+            for round_ in range(per_client):
+                await stream_one(http, url, texts[(index + round_ * clients) % len(texts)], new_tokens, stats)
+
+        start = time.perf_counter()
+        await asyncio.gather(*(client(i) for i in range(clients)))
+        return stats, time.perf_counter() - start
+
+
+# --- the references -------------------------------------------------------------------------------
+def engine_direct(engine: Engine, prompts: list[list[int]], clients: int, per_client: int, new_tokens: int) -> float:
+    """tok/s of the in-process engine, C requests in flight at a time as the clients kept them."""
+    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+    pending = [GenerationRequest(f"direct-{i}", prompts[i % len(prompts)], params, time.monotonic())
+               for i in range(clients * per_client)]
+    start, tokens = time.perf_counter(), 0
+    engine.submit(pending[:clients])
+    next_index = clients
+    while engine.has_work():
+        output = engine.step()
+        tokens += len(output.events)
+        for _ in output.finished:
+            if next_index < len(pending):
+                engine.submit([pending[next_index]])
+                next_index += 1
+    return tokens / (time.perf_counter() - start)
+
+
+def transformers_static(reference, prompts: list[list[int]], batch: int, total: int, new_tokens: int, pad: int, device: str) -> float:
+    """tok/s of generate() over static batches (left-padded), `total` sequences in all."""
+    done, start = 0, time.perf_counter()
+    while done < total:
+        rows = [prompts[(done + i) % len(prompts)] for i in range(min(batch, total - done))]
+        width = max(len(r) for r in rows)
+        ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows], device=device)
+        mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=device)
+        reference.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+        done += len(rows)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return done * new_tokens / (time.perf_counter() - start)
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model-dir", type=Path, default=Path("weights/gpt2"))
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads of the engine (both sides)")
+    parser.add_argument("--clients", type=int, nargs="+", default=None, help="default: 1 32 (CPU), 1 16 64 256 (CUDA)")
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--requests-per-client", type=int, default=1)
+    parser.add_argument("--prompt-words", type=int, default=8, help="shortest prompt, in words")
+    parser.add_argument("--reference-batch", type=int, default=None, help="generate()'s static batch; default 8 on CPU, C on CUDA")
+    parser.add_argument("--no-reference", action="store_true", help="skip transformers")
+    args = parser.parse_args()
+    args.clients = args.clients or ([1, 32] if args.device == "cpu" else [1, 16, 64, 256])
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
+    slots = max(args.clients)
+    texts = prompt_texts(max(slots, 17), args.prompt_words)
+    tokenizer = GPT2Tokenizer.from_dir(args.model_dir)
+    prompts = [tokenizer.encode(t) for t in texts]
+    server = Server(args, slots)
+    try:
+        server.wait_ready()
+        # One short request first: the server's own first-request costs are not throughput.
+        asyncio.run(drive_clients(server.url, texts, 1, 1, 4))
+        served = {c: asyncio.run(drive_clients(server.url, texts, c, args.requests_per_client, args.new_tokens))
+                  for c in args.clients}
+    finally:
+        server.stop()
+
+    ours, reference = load_both(args.model_dir, dtype)
+    ours, reference = ours.to(args.device), reference.to(args.device)
+    ours.prepare()
+    max_len = max(len(p) for p in prompts) + args.new_tokens
+    print(describe_machine())
+    print(f"{args.model_dir}, {args.device} {args.dtype}, {args.new_tokens} new tokens per request, "
+          f"{args.requests_per_client} request(s) per client\n")
+    header = f"{'clients':>7s} {'served tok/s':>13s} {'engine tok/s':>13s} {'served/engine':>14s} {'HF tok/s':>10s} {'served/HF':>10s} {'TTFT p50/p99 ms':>17s} {'ITL p50/p99 ms':>16s}"
+    print(header)
+    with torch.inference_mode():
+        for clients in args.clients:
+            stats, seconds = served[clients]
+            served_rate = stats.tokens / seconds
+            engine = Engine(ours, tokenizer, EngineConfig(max_slots=slots, max_len=max_len))
+            engine_direct(engine, prompts, min(clients, 2), 1, 4)  # warm-up
+            direct = engine_direct(engine, prompts, clients, args.requests_per_client, args.new_tokens)
+            hf = None
+            if not args.no_reference:
+                batch = args.reference_batch or (clients if args.device == "cuda" else min(clients, 8))
+                total = clients * args.requests_per_client
+                hf = transformers_static(reference, prompts, batch, total, args.new_tokens, tokenizer.eos_token_id, args.device)
+            ttft = f"{percentile(stats.ttft, .5) * 1e3:.0f}/{percentile(stats.ttft, .99) * 1e3:.0f}"
+            itl = f"{percentile(stats.itl, .5) * 1e3:.1f}/{percentile(stats.itl, .99) * 1e3:.1f}"
+            hf_text = f"{hf:10.1f} {served_rate / hf:9.2f}x" if hf else f"{'':10s} {'':10s}"
+            print(f"{clients:7d} {served_rate:13.1f} {direct:13.1f} {served_rate / direct:13.2f}x {hf_text} {ttft:>17s} {itl:>16s}")
+    print(f"\n{describe_machine()}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,143 @@
+"""Decode steps with static shapes, replayed as CUDA graphs: one launch instead of ~300.
+
+A decode forward becomes static when three things are fixed:
+- the batch: padded up to the next size of a ladder (1, 2, 4, 8, ... max_slots); the scheduler
+  keeps running sequences packed in the lowest slots, so a decode batch of B rows is slots
+  0..B-1 and its padded rows are slots B..Bp-1, which are free or hold a request admitted this
+  step (the engine runs decode before prefill, so the prefill overwrites what a padded row wrote);
+- the keys read: a length bucket (64, 128, 256, ... max_len) at least as long as the longest row,
+  each row masked beyond its own position;
+- the buffers: input ids, positions and logits live in tensors allocated once, which a step
+  fills and reads.
+Attention reads the cache through a view of slots 0..Bp-1 (no gather), so a graph holds no
+slot ids at all. Sampling stays outside the graph (vectorised, a handful of kernels).
+
+On CUDA (`capture()`), each (batch size, length bucket) pair is captured once at start-up, then
+checked against the eager forward; a mismatch or any capture error turns graphs off with a
+warning, never wrong tokens. Elsewhere `run` executes the same static forward eagerly: the CPU
+tests prove the padding, bucketing and masking give the dynamic path's tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from model.gpt2 import GPT2
+from model.kv_cache import KVCache
+
+log = logging.getLogger(__name__)
+
+SMALLEST_LENGTH_BUCKET = 64
+
+
+def ladder(limit: int, start: int = 1) -> list[int]:
+    """start, 2·start, 4·start, ... below limit, then limit itself."""
+    sizes, size = [], start
+    while size < limit:
+        sizes.append(size)
+        size *= 2
+    return sizes + [limit]
+
+
+def next_size(sizes: list[int], needed: int) -> int:
+    return next(size for size in sizes if size >= needed)
+
+
+@dataclass
+class StaticBuffers:
+    input_ids: torch.Tensor  # [max_slots, 1]
+    positions: torch.Tensor  # [max_slots, 1]
+
+
+class StaticDecode:
+    def __init__(self, model: GPT2, cache: KVCache) -> None:
+        self.model = model
+        self.cache = cache
+        self.batch_sizes = ladder(cache.max_slots)
+        self.length_buckets = ladder(cache.max_len, min(SMALLEST_LENGTH_BUCKET, cache.max_len))
+        device = cache.device
+        self.buffers = StaticBuffers(
+            input_ids=torch.zeros(cache.max_slots, 1, dtype=torch.long, device=device),
+            positions=torch.zeros(cache.max_slots, 1, dtype=torch.long, device=device),
+        )
+        # Made once: a host→device copy cannot happen while a graph is being captured.
+        self.slot_batches = {size: cache.batch(list(range(size))) for size in self.batch_sizes}
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+
+    def covers(self, slots: list[int]) -> bool:
+        """Whether a decode batch on these slots (in slot order) can run here: slots 0..B-1."""
+        return bool(slots) and slots[0] == 0 and slots[-1] == len(slots) - 1
+
+    def run(self, token_ids: list[int], positions: list[int]) -> torch.Tensor:
+        """Logits [B, V] for rows on slots 0..B-1, row b feeding token_ids[b] at positions[b]."""
+        rows = len(token_ids)
+        size = next_size(self.batch_sizes, rows)
+        bucket = next_size(self.length_buckets, max(positions) + 1)
+        # Padded rows feed token 0 at position 0 of their (free or just-admitted) slot.
+        padding = [0] * (size - rows)
+        ids = torch.tensor(token_ids + padding, dtype=torch.long)  # [size]
+        pos = torch.tensor(positions + padding, dtype=torch.long)  # [size]
+        self.buffers.input_ids[:size, 0].copy_(ids, non_blocking=True)
+        self.buffers.positions[:size, 0].copy_(pos, non_blocking=True)
+        graph = self.graphs.get((size, bucket))
+        if graph is not None:
+            graph[0].replay()
+            return graph[1][:rows]
+        return self._forward(size, bucket)[:rows]
+
+    def _forward(self, size: int, bucket: int) -> torch.Tensor:
+        out = self.model(
+            self.buffers.input_ids[:size],
+            self.buffers.positions[:size],
+            self.cache,
+            self.slot_batches[size],
+            kv_length=bucket,
+            exact_kv_length=False,
+        )
+        return out.logits[:, -1]  # [size, V]
+
+    # --- CUDA ---------------------------------------------------------------------------------------
+    def capture(self) -> bool:
+        """Capture every (batch size, length bucket) graph; False (and none kept) on any failure."""
+        try:
+            pool = torch.cuda.graph_pool_handle()
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.inference_mode(), torch.cuda.stream(stream):
+                # Largest first, so the smaller graphs reuse the pool's blocks.
+                for size in reversed(self.batch_sizes):
+                    for bucket in reversed(self.length_buckets):
+                        self._forward(size, bucket)  # warm-up: lazy initialisation stays out of the graph
+                        graph = torch.cuda.CUDAGraph()
+                        with torch.cuda.graph(graph, pool=pool, stream=stream):
+                            logits = self._forward(size, bucket)
+                        self.graphs[(size, bucket)] = (graph, logits)
+            torch.cuda.current_stream().wait_stream(stream)
+            self._check()
+        except Exception as exc:  # a graph we cannot trust is a graph we do not use
+            log.warning("CUDA graphs are off: %s: %s", type(exc).__name__, exc)
+            self.graphs.clear()
+            return False
+        log.info("captured %d CUDA graphs for decode (batch sizes %s, key lengths %s)",
+                 len(self.graphs), self.batch_sizes, self.length_buckets)
+        return True
+
+    @torch.inference_mode()
+    def _check(self) -> None:
+        """Replay against the eager forward on the same inputs (slots 0..size-1 hold zeros or
+        leftovers from capture; both paths read the same ones)."""
+        for size, bucket in [(self.batch_sizes[0], self.length_buckets[0]), (self.batch_sizes[-1], self.length_buckets[-1])]:
+            generator = torch.Generator(device="cpu").manual_seed(size)
+            ids = torch.randint(0, self.model.config.vocab_size, (size,), generator=generator).tolist()
+            positions = torch.randint(0, bucket, (size,), generator=generator).tolist()
+            graph_logits = self.run(ids, positions).float().clone()
+            graph, _ = self.graphs.pop((size, bucket))
+            eager_logits = self.run(ids, positions).float()
+            self.graphs[(size, bucket)] = (graph, _)
+            # Same kernels, same inputs: only the order of floating-point sums may differ.
+            if not torch.allclose(graph_logits, eager_logits, rtol=1e-2, atol=1e-2):
+                worst = (graph_logits - eager_logits).abs().max().item()
+                raise RuntimeError(f"graph replay differs from eager decode by {worst:.3g} (batch {size}, keys {bucket})")

@@ -1,0 +1,71 @@
+"""The static decode path (service/engine/graphs.py) that CUDA graphs replay, run eagerly here:
+padding to the batch ladder, key-length buckets and per-row masks give the dynamic path's
+logits and tokens, whatever stale keys the cache holds beyond each row."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from model.kv_cache import KVCache
+from service.engine.graphs import StaticDecode, ladder, next_size
+from tests.conftest import TINY
+from tests.engine.conftest import hf_generate, make_request, random_prompt, run_until_idle
+
+LOGIT_TOLERANCE = 1e-5  # the same fp32 arithmetic; only masked-out keys differ
+
+
+def test_ladders_cover_every_size_up_to_the_limit():
+    assert ladder(12) == [1, 2, 4, 8, 12]
+    assert ladder(1024, 64) == [64, 128, 256, 512, 1024]
+    assert ladder(64, 64) == [64]
+    assert [next_size([1, 2, 4, 8, 12], n) for n in (1, 3, 5, 9, 12)] == [1, 4, 8, 12, 12]
+
+
+@pytest.mark.parametrize("positions", [[7], [5, 70, 0], [127, 3, 64, 1]], ids=["one-row", "padded", "full"])
+@torch.no_grad()
+def test_static_decode_equals_dynamic_decode_over_stale_cache_entries(tiny_model, positions):
+    stale = torch.Generator().manual_seed(0)
+    caches = [KVCache(TINY, 4, TINY.n_positions) for _ in range(2)]
+    keys = torch.randn(caches[0].keys.shape, generator=stale)
+    values = torch.randn(caches[0].values.shape, generator=stale)
+    for cache in caches:  # the same leftovers everywhere, as slots reused by earlier requests hold
+        cache.keys.copy_(keys)
+        cache.values.copy_(values)
+    ids = random_prompt(len(positions), seed=1)
+    static = StaticDecode(tiny_model, caches[0]).run(ids, positions)  # [B, V]
+    rows = len(positions)
+    dynamic = tiny_model(
+        torch.tensor(ids)[:, None], torch.tensor(positions)[:, None], caches[1],
+        caches[1].batch(list(range(rows))), kv_length=max(positions) + 1,
+    ).logits[:, -1]  # [B, V]
+    torch.testing.assert_close(static, dynamic, rtol=0, atol=LOGIT_TOLERANCE)
+
+
+def admission_beside_a_padded_decode(engine) -> tuple[dict, list[int]]:
+    """Three rows decode on slots 0-2 while a new request is prefilled into slot 3 in the same
+    step (with static decode, padded to four rows: the fourth writes into slot 3)."""
+    runs = []
+    if engine.core.static_decode is not None:
+        real_run = engine.core.static_decode.run
+        engine.core.static_decode.run = lambda ids, positions: (runs.append(len(ids)), real_run(ids, positions))[1]
+    first = [make_request(random_prompt(6, seed=s), request_id=f"first-{s}", max_new_tokens=8) for s in (1, 2, 3)]
+    engine.submit(first)
+    results = {f.request_id: f for f in engine.step().finished}
+    engine.submit([make_request(random_prompt(5, seed=4), request_id="late", max_new_tokens=8)])
+    results.update((f.request_id, f) for f in engine.step().finished)
+    results.update((f.request_id, f) for f in run_until_idle(engine))
+    return results, runs
+
+
+def test_a_request_admitted_into_a_padded_slot_keeps_its_prompt(make_engine, hf_model):
+    static, runs = admission_beside_a_padded_decode(make_engine(max_slots=4, static_decode=True))
+    dynamic, _ = admission_beside_a_padded_decode(make_engine(max_slots=4))
+    assert runs[0] == 3  # the step that admitted "late" decoded 3 rows padded to 4
+    assert set(static) == set(dynamic) == {"first-1", "first-2", "first-3", "late"}
+    for request_id, result in static.items():
+        ours, reference = result.sequences[0], dynamic[request_id].sequences[0]
+        assert ours.token_ids == reference.token_ids, request_id
+        torch.testing.assert_close(ours.logprobs, reference.logprobs, rtol=0, atol=LOGIT_TOLERANCE)
+    late = static["late"].sequences[0].token_ids
+    assert late == hf_generate(hf_model, random_prompt(5, seed=4), 8)
