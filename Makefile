@@ -6,10 +6,11 @@ PORT   ?= 8000
 HOST   ?= 127.0.0.1
 DEFAULT_MODEL_DIR := weights/gpt2
 MODEL_DIR ?= $(DEFAULT_MODEL_DIR)
-# The CPU build of torch; a bare `torch` requirement could pull a multi-GB CUDA build.
-TORCH_CPU := torch==2.13.0
+# The CPU build of torch; a bare `torch` requirement could pull a multi-GB CUDA build. On a GPU
+# machine, `make test-cuda TORCH_CPU=torch==2.13.0+cu130` (or any CUDA build) installs that instead.
+TORCH_CPU ?= torch==2.13.0
 
-.PHONY: install system-deps weights serve test bench clean
+.PHONY: install system-deps weights serve test test-cuda bench-serve clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -37,6 +38,15 @@ system-deps:
 
 test: weights system-deps
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The CUDA lane, on a machine with a GPU and a venv holding a CUDA build of torch (see TORCH_CPU):
+# model, engine and analysis suites on the GPU, against transformers on the same GPU.
+test-cuda: weights
+	GPT2_TEST_DEVICE=cuda $(PY) -m pytest tests/model tests/engine tests/analysis $(PYTEST_ARGS)
+
+# What clients get over HTTP, beside the engine called directly and transformers (bench/bench_serve.py).
+bench-serve: weights
+	$(PY) -m bench.bench_serve $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) weights/gpt2 weights/gpt2.partial weights/.cache

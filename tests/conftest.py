@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -43,6 +44,18 @@ def write_tiny_model(
     for name in ("tokenizer.json", "vocab.json", "merges.txt"):
         (out_dir / name).write_bytes((DEFAULT_MODEL_DIR / name).read_bytes())
     return out_dir
+
+
+# The CUDA lane: GPT2_TEST_DEVICE=cuda (make test-cuda) runs the device-aware suites on the GPU,
+# against transformers on the same GPU.
+TEST_DEVICE = os.environ.get("GPT2_TEST_DEVICE", "cpu")
+
+
+@pytest.fixture(scope="session")
+def device() -> torch.device:
+    if TEST_DEVICE == "cuda" and not torch.cuda.is_available():
+        pytest.skip("GPT2_TEST_DEVICE=cuda, but torch sees no CUDA device")
+    return torch.device(TEST_DEVICE)
 
 
 def assert_validation_error(response, *words: str) -> None:

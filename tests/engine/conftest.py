@@ -20,13 +20,13 @@ _ids = itertools.count()
 
 
 @pytest.fixture(scope="session")
-def tiny_model(tiny_model_dir: Path):
-    return load_model(tiny_model_dir)
+def tiny_model(tiny_model_dir: Path, device: torch.device):
+    return load_model(tiny_model_dir, device=device)
 
 
 @pytest.fixture(scope="session")
-def hf_model(tiny_model_dir: Path):
-    return load_reference(tiny_model_dir, TINY)
+def hf_model(tiny_model_dir: Path, device: torch.device):
+    return load_reference(tiny_model_dir, TINY).to(device)
 
 
 @pytest.fixture
@@ -54,7 +54,7 @@ def random_prompt(length: int, seed: int, vocab: int = TINY.vocab_size) -> list[
 @torch.no_grad()
 def hf_generate(hf_model, prompt_ids: list[int], max_new_tokens: int, **kwargs) -> list[int]:
     """transformers' generate() on one prompt: the generated token ids only."""
-    prompt = torch.tensor([prompt_ids])  # [1, T]
+    prompt = torch.tensor([prompt_ids], device=hf_model.device)  # [1, T]
     out = hf_model.generate(
         prompt,
         attention_mask=torch.ones_like(prompt),

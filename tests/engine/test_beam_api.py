@@ -12,7 +12,7 @@ from model.kv_cache import KVCache
 
 
 def test_first_step_accepts_one_row_or_every_beam(tiny_model):
-    logits = tiny_model(torch.tensor([[464, 2068, 7586]])).logits[:, -1]  # [1, V]
+    logits = tiny_model(torch.tensor([[464, 2068, 7586]], device=tiny_model.device)).logits[:, -1]  # [1, V]
     params = BeamParams(num_beams=3, max_new_tokens=4)
     one_row = BeamSearch(params, [464, 2068, 7586]).step(logits)
     every_beam = BeamSearch(params, [464, 2068, 7586]).step(logits.expand(3, -1))
@@ -23,7 +23,7 @@ def test_first_step_accepts_one_row_or_every_beam(tiny_model):
 
 
 def test_beam_generate_frees_its_slots_on_a_shared_cache(tiny_model, monkeypatch):
-    cache = KVCache(tiny_model.config, max_slots=6, max_len=32)
+    cache = KVCache(tiny_model.config, max_slots=6, max_len=32, device=tiny_model.device)
     other = cache.allocate(1)  # another sequence's slot: beam_generate must leave it alone
     cache.keys[:, other] = 7.0
     params = BeamParams(num_beams=5, eos_token_id=50256, max_new_tokens=6)

@@ -16,7 +16,7 @@ SCORE_TOLERANCE = 1e-4
 
 @torch.no_grad()
 def hf_beam(hf_model, prompt: list[int], new: int, beams: int, returned: int, **kwargs):
-    ids = torch.tensor([prompt])  # [1, T]
+    ids = torch.tensor([prompt], device=hf_model.device)  # [1, T]
     out = hf_model.generate(
         ids,
         attention_mask=torch.ones_like(ids),

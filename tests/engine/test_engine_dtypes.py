@@ -30,11 +30,11 @@ def test_half_precision_engine_agrees_with_float32_reference(tiny_model_dir, mak
         sequence = result.sequences[0]
         assert len(sequence.token_ids) == 4
         with torch.no_grad():
-            logprobs = hf_model(torch.tensor([prompt + sequence.token_ids])).logits[0].log_softmax(-1)
+            logprobs = hf_model(torch.tensor([prompt + sequence.token_ids], device=hf_model.device)).logits[0].log_softmax(-1)
         expected = [logprobs[len(prompt) - 1 + i, t].item() for i, t in enumerate(sequence.token_ids)]
         assert sequence.logprobs == pytest.approx(expected, abs=HALF_LOGPROB_TOLERANCE)
     # Greedy picks a token the float32 model ranks first or as good as first within tolerance.
     first = results[0].sequences[0].token_ids[0]
     with torch.no_grad():
-        last = hf_model(torch.tensor([prompts[0]])).logits[0, -1].log_softmax(-1)
+        last = hf_model(torch.tensor([prompts[0]], device=hf_model.device)).logits[0, -1].log_softmax(-1)
     assert last.max() - last[first] < HALF_LOGPROB_TOLERANCE

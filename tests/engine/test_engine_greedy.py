@@ -95,7 +95,7 @@ def test_logprobs_match_transformers_log_softmax(make_engine, hf_model):
     prompt = random_prompt(11, seed=11)
     [result] = make_engine().generate([make_request(prompt, max_new_tokens=6)])
     sequence = result.sequences[0]
-    ids = torch.tensor([prompt + sequence.token_ids])
+    ids = torch.tensor([prompt + sequence.token_ids], device=hf_model.device)
     with torch.no_grad():
         logprobs = hf_model(ids).logits[0].log_softmax(-1)  # [T, V]
     expected = [logprobs[len(prompt) - 1 + i, t].item() for i, t in enumerate(sequence.token_ids)]
@@ -132,7 +132,7 @@ def test_prompt_logprobs_match_transformers(make_engine, hf_model):
         [make_request(prompt, max_new_tokens=2, prompt_logprobs=True), make_request(other, max_new_tokens=2)]
     )
     with torch.no_grad():
-        logprobs = hf_model(torch.tensor([prompt])).logits[0].log_softmax(-1)  # [T, V]
+        logprobs = hf_model(torch.tensor([prompt], device=hf_model.device)).logits[0].log_softmax(-1)  # [T, V]
     expected = [logprobs[i - 1, prompt[i]].item() for i in range(1, len(prompt))]
     assert results[0].prompt_logprobs[0] is None
     assert results[0].prompt_logprobs[1:] == pytest.approx(expected, abs=LOGPROB_TOLERANCE)

@@ -93,9 +93,9 @@ def test_sampled_tokens_stay_inside_each_rows_top_k(make_engine, hf_model):
     )
     for prompt, k, result in zip(prompts, top_ks, results):
         generated = result.sequences[0].token_ids
-        logits = hf_model(torch.tensor([prompt + generated])).logits[0]  # [T, V]
+        logits = hf_model(torch.tensor([prompt + generated], device=hf_model.device)).logits[0]  # [T, V]
         step_logits = logits[len(prompt) - 1 : -1]  # [new, V]: the logits each token was drawn from
-        ranks = (step_logits > step_logits.gather(1, torch.tensor(generated)[:, None])).sum(1)
+        ranks = (step_logits > step_logits.gather(1, torch.tensor(generated, device=step_logits.device)[:, None])).sum(1)
         if k:
             assert int(ranks.max()) < k, (k, ranks.tolist())
         else:

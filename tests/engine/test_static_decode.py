@@ -26,17 +26,18 @@ def test_ladders_cover_every_size_up_to_the_limit():
 @torch.no_grad()
 def test_static_decode_equals_dynamic_decode_over_stale_cache_entries(tiny_model, positions):
     stale = torch.Generator().manual_seed(0)
-    caches = [KVCache(TINY, 4, TINY.n_positions) for _ in range(2)]
-    keys = torch.randn(caches[0].keys.shape, generator=stale)
-    values = torch.randn(caches[0].values.shape, generator=stale)
+    caches = [KVCache(TINY, 4, TINY.n_positions, device=tiny_model.device) for _ in range(2)]
+    keys = torch.randn(caches[0].keys.shape, generator=stale).to(tiny_model.device)
+    values = torch.randn(caches[0].values.shape, generator=stale).to(tiny_model.device)
     for cache in caches:  # the same leftovers everywhere, as slots reused by earlier requests hold
         cache.keys.copy_(keys)
         cache.values.copy_(values)
     ids = random_prompt(len(positions), seed=1)
     static = StaticDecode(tiny_model, caches[0]).run(ids, positions)  # [B, V]
     rows = len(positions)
+    device = tiny_model.device
     dynamic = tiny_model(
-        torch.tensor(ids)[:, None], torch.tensor(positions)[:, None], caches[1],
+        torch.tensor(ids, device=device)[:, None], torch.tensor(positions, device=device)[:, None], caches[1],
         caches[1].batch(list(range(rows))), kv_length=max(positions) + 1,
     ).logits[:, -1]  # [B, V]
     torch.testing.assert_close(static, dynamic, rtol=0, atol=LOGIT_TOLERANCE)
