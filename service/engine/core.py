@@ -213,9 +213,11 @@ class EngineCore:
             if state.beam is None
             for seq in state.live
         ]
-        sample_rows = torch.tensor([row_of[seq.slot] for _, seq in sampled], device=self.device)
-        sample_slots = torch.tensor([seq.slot for _, seq in sampled], device=self.device)
-        sample_counters = torch.tensor([len(seq.token_ids) for _, seq in sampled], device=self.device)
+        # One host→device copy for the three index vectors: [3, B].
+        indices = torch.tensor(
+            [[row_of[seq.slot], seq.slot, len(seq.token_ids)] for _, seq in sampled], dtype=torch.long
+        ).reshape(-1, 3).t().to(self.device, non_blocking=True)
+        sample_rows, sample_slots, sample_counters = indices  # [B] each
         return StepRows(decoding, row_of, sampled, sample_rows, sample_slots, sample_counters)
 
     def _run(self, plan: StepPlan, rows: StepRows) -> torch.Tensor:

@@ -1,0 +1,95 @@
+"""The engine core's IPC, measured: ZeroMQ + msgspec (what service/client.py uses) against
+multiprocessing's Pipe with pickle, for one step's CoreOutput of 1, 32 and 256 tokens.
+
+    .venv/bin/python -m bench.bench_ipc
+
+A child process echoes every message back (decoding and re-encoding it, as the two sides do);
+printed is the median round trip per message and the bytes on the wire.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import pickle
+import statistics
+import tempfile
+import time
+
+import zmq
+
+from service.engine.protocol import CoreOutput, encoder, from_core
+from service.engine.types import CoreStep, StepStats
+
+ROUNDS = 2000
+
+
+def step_message(tokens: int) -> CoreOutput:
+    rows = [(f"gen-{i:032x}", 0, 1000 + i, -1.25, None) for i in range(tokens)]
+    return CoreOutput(CoreStep(rows, [], [], [], StepStats(tokens, 0, tokens, tokens, 0, tokens, 256, 0.01)))
+
+
+def zmq_echo(address_in: str, address_out: str) -> None:
+    context = zmq.Context()
+    pull, push = context.socket(zmq.PULL), context.socket(zmq.PUSH)
+    pull.connect(address_in)
+    push.connect(address_out)
+    while True:
+        data = pull.recv()
+        if data == b"stop":
+            return
+        push.send(encoder.encode(from_core.decode(data)))
+
+
+def pipe_echo(connection) -> None:
+    while True:
+        data = connection.recv_bytes()
+        if data == b"stop":
+            return
+        connection.send_bytes(pickle.dumps(pickle.loads(data)))
+
+
+def time_zmq(message: CoreOutput) -> tuple[float, int]:
+    folder = tempfile.mkdtemp()
+    context = zmq.Context()
+    push, pull = context.socket(zmq.PUSH), context.socket(zmq.PULL)
+    push.bind(f"ipc://{folder}/in")
+    pull.bind(f"ipc://{folder}/out")
+    child = multiprocessing.get_context("spawn").Process(target=zmq_echo, args=(f"ipc://{folder}/in", f"ipc://{folder}/out"))
+    child.start()
+    times = []
+    for _ in range(ROUNDS):
+        start = time.perf_counter()
+        push.send(encoder.encode(message))
+        from_core.decode(pull.recv())
+        times.append(time.perf_counter() - start)
+    push.send(b"stop")
+    child.join()
+    return statistics.median(times[ROUNDS // 10 :]), len(encoder.encode(message))
+
+
+def time_pipe(message: CoreOutput) -> tuple[float, int]:
+    parent, child_end = multiprocessing.Pipe()
+    child = multiprocessing.get_context("spawn").Process(target=pipe_echo, args=(child_end,))
+    child.start()
+    times = []
+    for _ in range(ROUNDS):
+        start = time.perf_counter()
+        parent.send_bytes(pickle.dumps(message))
+        pickle.loads(parent.recv_bytes())
+        times.append(time.perf_counter() - start)
+    parent.send_bytes(b"stop")
+    child.join()
+    return statistics.median(times[ROUNDS // 10 :]), len(pickle.dumps(message))
+
+
+def main() -> None:
+    print(f"{'tokens':>6s} {'zmq+msgspec µs':>15s} {'bytes':>7s} {'Pipe+pickle µs':>15s} {'bytes':>7s}")
+    for tokens in (1, 32, 256):
+        message = step_message(tokens)
+        zmq_s, zmq_bytes = time_zmq(message)
+        pipe_s, pipe_bytes = time_pipe(message)
+        print(f"{tokens:6d} {zmq_s * 1e6:15.1f} {zmq_bytes:7d} {pipe_s * 1e6:15.1f} {pipe_bytes:7d}")
+
+
+if __name__ == "__main__":
+    main()
