@@ -30,7 +30,7 @@ class Settings(BaseSettings):
     max_seq_len: int | None = Field(
         None, ge=2, description="prompt + generated tokens per sequence; default: the model's context"
     )
-    max_waiting: int = Field(64, ge=1, le=100_000, description="queued requests beyond which new ones get 429")
+    max_waiting: int = Field(64, ge=1, le=100_000, description="requests that may wait beyond max_batch_size running; more get 429")
     max_prefill_tokens: int = Field(4096, ge=1, description="padded prompt tokens per prefill forward (a larger first one still runs alone)")
     max_new_tokens: int = Field(1024, ge=1, description="largest max_new_tokens a request may ask for")
     default_max_new_tokens: int = Field(20, ge=1, description="max_new_tokens when a TGI request gives none")
