@@ -48,6 +48,17 @@ def pipe_echo(connection) -> None:
         connection.send_bytes(pickle.dumps(pickle.loads(data)))
 
 
+def round_trips(send, receive) -> float:
+    """Median seconds of send-then-receive, after a tenth of the rounds as warm-up."""
+    times = []
+    for _ in range(ROUNDS):
+        start = time.perf_counter()
+        send()
+        receive()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[ROUNDS // 10 :])
+
+
 def time_zmq(message: CoreOutput) -> tuple[float, int]:
     folder = tempfile.mkdtemp()
     context = zmq.Context()
@@ -56,30 +67,20 @@ def time_zmq(message: CoreOutput) -> tuple[float, int]:
     pull.bind(f"ipc://{folder}/out")
     child = multiprocessing.get_context("spawn").Process(target=zmq_echo, args=(f"ipc://{folder}/in", f"ipc://{folder}/out"))
     child.start()
-    times = []
-    for _ in range(ROUNDS):
-        start = time.perf_counter()
-        push.send(encoder.encode(message))
-        from_core.decode(pull.recv())
-        times.append(time.perf_counter() - start)
+    seconds = round_trips(lambda: push.send(encoder.encode(message)), lambda: from_core.decode(pull.recv()))
     push.send(b"stop")
     child.join()
-    return statistics.median(times[ROUNDS // 10 :]), len(encoder.encode(message))
+    return seconds, len(encoder.encode(message))
 
 
 def time_pipe(message: CoreOutput) -> tuple[float, int]:
     parent, child_end = multiprocessing.Pipe()
     child = multiprocessing.get_context("spawn").Process(target=pipe_echo, args=(child_end,))
     child.start()
-    times = []
-    for _ in range(ROUNDS):
-        start = time.perf_counter()
-        parent.send_bytes(pickle.dumps(message))
-        pickle.loads(parent.recv_bytes())
-        times.append(time.perf_counter() - start)
+    seconds = round_trips(lambda: parent.send_bytes(pickle.dumps(message)), lambda: pickle.loads(parent.recv_bytes()))
     parent.send_bytes(b"stop")
     child.join()
-    return statistics.median(times[ROUNDS // 10 :]), len(pickle.dumps(message))
+    return seconds, len(pickle.dumps(message))
 
 
 def main() -> None:
