@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -62,6 +63,20 @@ def single_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def device() -> torch.device:
+    """Where device-agnostic tests put their tensors: GPT2_TEST_DEVICE, default "cpu".
+
+    GPT2_TEST_DEVICE=cuda runs the same tests on the GPU (against transformers on that GPU);
+    asked for where there is none, they are skipped rather than failed.
+    """
+    name = os.environ.get("GPT2_TEST_DEVICE", "cpu")
+    chosen = torch.device(name)
+    if chosen.type == "cuda" and not torch.cuda.is_available():
+        pytest.skip(f"GPT2_TEST_DEVICE={name} but this machine has no CUDA device")
+    return chosen
 
 
 @pytest.fixture(scope="session")
