@@ -1,4 +1,4 @@
-"""python -m service.analyze_cli: the route's report and figure for the texts of a file."""
+"""gpt2-analyze (python -m service.analysis.cli): the route's report and figure for the texts of a file."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import xml.etree.ElementTree as ET
 import pytest
 
 from model.analysis import analyze
-from service.analyze_cli import main
+from service.analysis.cli import main
 from tests.analysis.conftest import TEXTS
 from tests.conftest import REPO, TINY
 
@@ -61,7 +61,7 @@ def test_module_entry_point_runs(tmp_path, tiny_model_dir) -> None:
     source = tmp_path / "texts.txt"
     source.write_text("Hello there\n")
     result = subprocess.run(
-        [sys.executable, "-m", "service.analyze_cli", "--model-dir", str(tiny_model_dir), "--texts", str(source),
+        [sys.executable, "-m", "service.analysis.cli", "--model-dir", str(tiny_model_dir), "--texts", str(source),
          "--json", str(tmp_path / "r.json"), "--layers", "0,2"],
         cwd=REPO, capture_output=True, text=True, timeout=120,
     )

@@ -8,8 +8,8 @@ import xml.etree.ElementTree as ET
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from service import analysis_routes
-from service.analysis_figure import MEAN_GID, SVG_MEDIA_TYPE
+from service.analysis import routes as analysis_routes
+from service.analysis.figure import MEAN_GID, SVG_MEDIA_TYPE
 from tests.analysis.conftest import ANALYSIS_MAX_TOKENS, TEXTS
 from tests.analysis.document_recipe import document_curve
 from tests.conftest import TINY, assert_validation_error
@@ -116,13 +116,13 @@ def test_over_the_concurrency_limit_is_429_then_served_again(client, app) -> Non
 
 def test_analysis_runs_in_a_worker_thread(client, monkeypatch) -> None:
     threads = []
-    real = analysis_routes.report_dict
+    real = analysis_routes.reports
 
     def spy(*args, **kwargs):
         threads.append(threading.current_thread())
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(analysis_routes, "report_dict", spy)
+    monkeypatch.setattr(analysis_routes, "reports", spy)
     assert client.get(URL, params={"text": "where", "layers": "0"}).status_code == 200
     assert len(threads) == 1 and threads[0] is not threading.main_thread()
     assert threads[0].name.startswith("AnyIO worker thread")
