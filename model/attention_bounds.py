@@ -51,7 +51,6 @@ def weight_spectra(model: GPT2 | PostLNGPT) -> WeightSpectra:
     config = model.config
     d, heads, d_h = config.n_embd, config.n_head, config.head_dim
     per_head: dict[str, list[torch.Tensor]] = {k: [] for k in ("q", "k", "v", "bq", "bk")}
-    per_layer: dict[str, list[torch.Tensor]] = {k: [] for k in ("o", "fc", "proj")}
     for block in model.h:
         weight = block.attn.c_attn.weight.detach().double().cpu()  # [d, 3d], stored [in, out]
         bias = block.attn.c_attn.bias.detach().double().cpu()  # [3d]
@@ -60,11 +59,12 @@ def weight_spectra(model: GPT2 | PostLNGPT) -> WeightSpectra:
             per_head[name].append(_spectral_norms(per_head_part))
         for name, part in zip(("bq", "bk"), bias.split(d)[:2]):
             per_head[name].append(part.reshape(heads, d_h).norm(dim=-1))  # [H]
-        per_layer["o"].append(_spectral_norms(block.attn.c_proj.weight.detach().double().cpu()))
-        per_layer["fc"].append(_spectral_norms(block.mlp.c_fc.weight.detach().double().cpu()))
-        per_layer["proj"].append(_spectral_norms(block.mlp.c_proj.weight.detach().double().cpu()))
     q, k, v, bq, bk = (torch.stack(per_head[name]) for name in ("q", "k", "v", "bq", "bk"))  # [L, H]
-    o, fc, proj = (torch.stack(per_layer[n]) for n in ("o", "fc", "proj"))  # [L]
+    # One batched call per kind of per-layer matrix, each stacked [L, r, c].
+    o, fc, proj = (
+        _spectral_norms(torch.stack([block.get_submodule(module).weight.detach().double().cpu() for block in model.h]))
+        for module in ("attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+    )  # [L] each
     gamma, beta, radius = attention_input_bounds(model)  # [L] each
     logit_bound = (q * radius[:, None] + bq) * (k * radius[:, None] + bk) / math.sqrt(d_h)  # [L, H]
     seed_logit_bound = gamma[:, None] ** 2 * q * k * math.sqrt(d)  # [L, H]
