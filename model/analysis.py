@@ -1,4 +1,4 @@
-"""Attention spectral analysis of the served model: the experiment of ANALYSIS.md, run on texts.
+"""Attention spectral analysis of a model (docs/analysis.md), run on texts.
 
 For each sequence, on its own (batch size 1, no padding), one forward pass of the model gives
 the float32 attention probabilities of every layer and the residual stream after every block.

@@ -47,7 +47,7 @@ class WeightSpectra:
 
 
 def weight_spectra(model: GPT2 | PostLNGPT) -> WeightSpectra:
-    """Every weight-only quantity of ANALYSIS.md, in float64 (computed once per model)."""
+    """Every weight-only quantity of docs/analysis.md, in float64 (computed once per model)."""
     config = model.config
     d, heads, d_h = config.n_embd, config.n_head, config.head_dim
     per_head: dict[str, list[torch.Tensor]] = {k: [] for k in ("q", "k", "v", "bq", "bk")}
