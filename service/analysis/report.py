@@ -49,7 +49,9 @@ def load_subject(model_dir: Path, device: str = "cpu", dtype: torch.dtype = torc
     model = load_analysis_model(model_dir, device=device, dtype=dtype)
     try:
         tokenizer = GPT2Tokenizer.from_dir(model_dir)
-    except ValueError:
+    except ValueError as exc:  # a tokenizer without <|endoftext|>: GPT-1's, if it has a tokenizer.json
+        if not (model_dir / "tokenizer.json").is_file():
+            raise ValueError(f"{model_dir}: {exc}") from exc
         tokenizer = PlainTokenizer(Tokenizer.from_file(str(model_dir / "tokenizer.json")))
     return Subject(name or model_dir.resolve().name, model, tokenizer)
 

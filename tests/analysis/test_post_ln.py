@@ -141,3 +141,18 @@ def test_random_preset_has_gpt2s_size_and_loads_in_transformers(tmp_path, defaul
         )
     # GPT-1's init: every weight matrix N(0, 0.02), no residual scaling.
     assert ours.h[0].attn.c_proj.weight.std().item() == pytest.approx(0.02, rel=0.1)
+
+
+def test_a_tokenizer_without_gpt2s_end_of_text_still_encodes(tmp_path, default_model_dir) -> None:
+    """GPT-1's tokenizer.json has no <|endoftext|>: the analysis only needs it to encode."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from service.analysis.report import load_subject
+
+    folder = write_post_ln_checkpoint(tmp_path / "gpt1", default_model_dir)
+    vocabulary = Tokenizer(models.WordLevel({"hello": 0, "world": 1, "[UNK]": 2}, unk_token="[UNK]"))
+    vocabulary.pre_tokenizer = pre_tokenizers.Whitespace()
+    vocabulary.save(str(folder / "tokenizer.json"))
+    subject = load_subject(folder, name="gpt1")
+    assert subject.tokenizer.encode_batch(["hello world", "bye"]) == [[0, 1], [2]]
+    assert subject.describe()["architecture"] == "post-ln"
