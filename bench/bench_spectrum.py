@@ -1,6 +1,12 @@
 """/analyze/spectrum's work against the source document's recipe, side by side.
 
-    .venv/bin/python -m bench.bench_spectrum [--tokens 1024] [--reps 2]
+    .venv/bin/python -m bench.bench_spectrum [--tokens 1024] [--reps 2]          # in-process
+    .venv/bin/python -m bench.bench_spectrum --http [--tokens 1024] [--reps 3]   # over HTTP
+
+--http starts the real server (`python -m service`) on a free port, waits for /health, and POSTs
+`token_ids` to /analyze/spectrum with method=fast: the first request right after start-up is
+timed on its own, then requests alternate with runs of the recipe in this process (the server
+idles meanwhile). Times are wall clock, client side, the whole HTTP round trip included.
 
 One text of --tokens tokens, all layers and heads of the model in --model-dir (GPT-2 124M:
 144 attention matrices). The document's recipe: transformers' AutoModel with eager attention and
@@ -15,8 +21,16 @@ measured back to back. Also checks that the two agree on every head (1e-4 relati
 from __future__ import annotations
 
 import argparse
+import json
+import socket
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -61,14 +75,18 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=1024)
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--http", action="store_true", help="time the real server over HTTP")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     from transformers import AutoModel
 
-    ours = load_model(args.model_dir)
     reference = AutoModel.from_pretrained(args.model_dir, attn_implementation="eager", dtype=torch.float32).eval()
     ids = text_of(GPT2Tokenizer.from_dir(args.model_dir), args.tokens)
+    if args.http:
+        http_benchmark(args, reference, ids)
+        return
+    ours = load_model(args.model_dir)
     config = ours.config
     print(describe_machine())
     count = config.n_layer * config.n_head
@@ -98,6 +116,76 @@ def main() -> None:
     print(
         f"median: recipe {statistics.median(walls['recipe']):.2f} s, ours {statistics.median(walls['ours']):.2f} s wall;"
         f" ratio {paired_ratio(walls['recipe'], walls['ours']):.1f}x wall, {paired_ratio(cpus['recipe'], cpus['ours']):.1f}x CPU"
+    )
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def post_json(url: str, body: dict, timeout: float = 600.0) -> dict:
+    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        return json.loads(response.read())
+
+
+@contextmanager
+def served(model_dir: Path, threads: int | None, startup_timeout: float = 300.0) -> Iterator[str]:
+    """The real server on a free port; yields its base URL once /health answers."""
+    port = free_port()
+    command = [sys.executable, "-m", "service", "--model-dir", str(model_dir), "--port", str(port)]
+    if threads:
+        command += ["--threads", str(threads)]
+    log = tempfile.TemporaryFile()
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + startup_timeout
+        while True:
+            if process.poll() is not None:
+                log.seek(0)
+                raise RuntimeError(f"server exited ({process.returncode}): {log.read().decode()[-2000:]}")
+            try:
+                with urllib.request.urlopen(base + "/health", timeout=2):
+                    break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError("server did not answer /health in time") from None
+                time.sleep(0.1)
+        yield base
+    finally:
+        process.terminate()
+        process.wait(timeout=60)
+        log.close()
+
+
+def http_benchmark(args: argparse.Namespace, reference, ids: list[int]) -> None:
+    print(describe_machine())
+    body = {"token_ids": [ids], "method": "fast"}
+    walls: dict[str, list[float]] = {"recipe": [], "http": []}
+    worst = 0.0
+    started = time.perf_counter()
+    with served(args.model_dir, args.threads) as base:
+        print(f"server ready in {time.perf_counter() - started:.1f} s; {len(ids)} tokens, method=fast, POST token_ids")
+        report, first, _ = timed(lambda: post_json(base + "/analyze/spectrum", body))
+        print(f"first request after start-up: {first:.2f} s (server: {report['seconds']})")
+        document_recipe(reference, ids[:64])  # warm-up of the reference
+        for rep in range(args.reps):
+            (sigmas, _), wall, _ = timed(lambda: document_recipe(reference, ids))
+            walls["recipe"].append(wall)
+            report, wall, _ = timed(lambda: post_json(base + "/analyze/spectrum", body))
+            walls["http"].append(wall)
+            measured = torch.tensor([layer["spectral_norm"] for layer in report["sequences"][0]["layers"]], dtype=torch.float64)
+            worst = max(worst, ((measured - sigmas.double()).abs() / sigmas.double()).max().item())
+            print(f"rep {rep}: recipe {walls['recipe'][-1]:6.2f} s | HTTP {walls['http'][-1]:5.2f} s (server: {report['seconds']})")
+    recipe = statistics.median(walls["recipe"])
+    print(f"largest relative difference from the recipe's svdvals over {measured.numel()} heads: {worst:.1e}")
+    print(
+        f"median: recipe {recipe:.2f} s, HTTP {statistics.median(walls['http']):.2f} s;"
+        f" ratio {paired_ratio(walls['recipe'], walls['http']):.1f}x (paired median),"
+        f" first request {recipe / first:.1f}x (recipe median / first)"
     )
 
 

@@ -1,4 +1,4 @@
-"""Attention spectral analysis of the served model: the experiment of ANALYSIS.md, run on texts.
+"""Attention spectral analysis of a model (docs/analysis.md), run on texts.
 
 For each sequence, on its own (batch size 1, no padding), one forward pass of the model gives
 the float32 attention probabilities of every layer and the residual stream after every block.
@@ -25,7 +25,11 @@ from model.attention_bounds import (
 )
 from model.config import GPT2Config
 from model.gpt2 import GPT2
+from model.post_ln import PostLNConfig, PostLNGPT
 from model.spectral import top_singular
+
+# The analysis reads attention probabilities and the residual stream of either kind of decoder.
+AnalysedModel = GPT2 | PostLNGPT
 
 # A measurement above a bound by more than float32 rounding counts as a violation.
 BOUND_RTOL = 1e-5
@@ -41,7 +45,8 @@ NOTES = {
     "LayerNorm shift and the biases, scales by sqrt(d) instead of sqrt(d_h), and assumes n "
     "entries in every row",
     "rank_collapse": "index 0 is the embeddings, index l the residual stream after block l "
-    "(the last one before ln_f); residual = H - 1·mean_over_tokens(H)",
+    "(for GPT-2 the last one is before ln_f; a Post-LN model has no ln_f and its stream is "
+    "normalised after every block); residual = H - 1·mean_over_tokens(H)",
 }
 
 
@@ -133,7 +138,7 @@ class SpectrumReport:
 
 
 def analyze(
-    model: GPT2, token_ids: list[list[int]], method: str = "fast", layers: list[int] | None = None
+    model: AnalysedModel, token_ids: list[list[int]], method: str = "fast", layers: list[int] | None = None
 ) -> SpectrumReport:
     """Run the experiment on sequences of token ids (see `check_inputs` for what is accepted)."""
     check_inputs(model.config, token_ids, layers)
@@ -145,7 +150,7 @@ def analyze(
 
 
 def check_inputs(
-    config: GPT2Config,
+    config: GPT2Config | PostLNConfig,
     token_ids: list[list[int]],
     layers: list[int] | None,
     max_tokens: int | None = None,
@@ -157,7 +162,7 @@ def check_inputs(
 
 
 def check_sequences(
-    config: GPT2Config, token_ids: list[list[int]], max_tokens: int | None = None, what: str = "text"
+    config: GPT2Config | PostLNConfig, token_ids: list[list[int]], max_tokens: int | None = None, what: str = "text"
 ) -> None:
     if not token_ids:
         raise ValueError(f"no {what} given")
@@ -172,7 +177,7 @@ def check_sequences(
             raise ValueError(f"{what}[{i}] holds token id {bad}, outside the vocabulary [0, {config.vocab_size})")
 
 
-def check_layers(config: GPT2Config, layers: list[int] | None) -> None:
+def check_layers(config: GPT2Config | PostLNConfig, layers: list[int] | None) -> None:
     if layers is None:
         return
     if not layers:
@@ -183,7 +188,7 @@ def check_layers(config: GPT2Config, layers: list[int] | None) -> None:
 
 
 def analyze_sequence(
-    model: GPT2, token_ids: list[int], method: str, layers: list[int], seconds: dict[str, float]
+    model: AnalysedModel, token_ids: list[int], method: str, layers: list[int], seconds: dict[str, float]
 ) -> SequenceSpectrum:
     n = len(token_ids)
     started = time.perf_counter()
@@ -222,11 +227,11 @@ def analyze_sequence(
     )
 
 
-_spectra_cache: weakref.WeakKeyDictionary[GPT2, WeightSpectra] = weakref.WeakKeyDictionary()
+_spectra_cache: weakref.WeakKeyDictionary[AnalysedModel, WeightSpectra] = weakref.WeakKeyDictionary()
 _spectra_lock = threading.Lock()
 
 
-def cached_weight_spectra(model: GPT2) -> WeightSpectra:
+def cached_weight_spectra(model: AnalysedModel) -> WeightSpectra:
     """The weight spectra of a model, computed on first use and kept as long as the model lives."""
     with _spectra_lock:
         if model not in _spectra_cache:

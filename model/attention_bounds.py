@@ -1,11 +1,14 @@
 """The bounds /analyze/spectrum reports beside each measured ‖A‖₂, and the weight spectra they use.
 
-Notation and derivations: /work/shared/ANALYSIS.md ("Per-matrix quantities"). For a causal,
-row-stochastic attention matrix A of n tokens:
+Notation and derivations: docs/analysis.md ("Bounds"). For a causal, row-stochastic attention
+matrix A of n tokens:
     lower = 1 ≤ ‖A‖₂ ≤ colsum = sqrt(max column sum) ≤ trivial = sqrt(n), and
     ‖A‖₂ ≤ prenorm = sqrt(Σ_{i<n} 1 / (1 + i·e^{−2M})), M a bound on |logit| from the weights.
 seed_prenorm is the source document's formula; it is reported for comparison and is not a bound
 for GPT-2 (it drops the LayerNorm shift and the biases and scales by sqrt(d), not sqrt(d_h)).
+M needs a bound on the norm of the attention's input: the LayerNorm in front of it (GPT-2's ln_1;
+in a Post-LN model the previous block's ln_2), or for a Post-LN model's first layer, which reads
+the embeddings directly, the largest token plus the largest position embedding.
 """
 
 from __future__ import annotations
@@ -15,7 +18,10 @@ from dataclasses import dataclass
 
 import torch
 
+from torch import nn
+
 from model.gpt2 import GPT2
+from model.post_ln import PostLNGPT
 
 
 @dataclass(frozen=True)
@@ -30,8 +36,9 @@ class WeightSpectra:
     attn_proj: torch.Tensor  # ‖W_O‖₂ (attn.c_proj)
     mlp_fc: torch.Tensor  # ‖W_fc‖₂
     mlp_proj: torch.Tensor  # ‖W_proj‖₂
-    ln1_gain_max: torch.Tensor  # Γ = max |γ| of ln_1
-    ln1_shift_norm: torch.Tensor  # ‖β‖₂ of ln_1
+    input_gain_max: torch.Tensor  # Γ = max |γ| of the LayerNorm feeding the attention
+    input_shift_norm: torch.Tensor  # ‖β‖₂ of that LayerNorm
+    input_radius: torch.Tensor  # R ≥ ‖attention input‖₂ of any token: Γ·sqrt(d) + ‖β‖₂
     logit_bound: torch.Tensor  # M = q_max·k_max / sqrt(d_h), per head
     seed_logit_bound: torch.Tensor  # the document's M' = Γ²·‖W_Q^h‖₂·‖W_K^h‖₂·sqrt(d), per head
 
@@ -39,12 +46,11 @@ class WeightSpectra:
         return {name: getattr(self, name).tolist() for name in self.__dataclass_fields__}
 
 
-def weight_spectra(model: GPT2) -> WeightSpectra:
-    """Every weight-only quantity of ANALYSIS.md, in float64 (computed once per model)."""
+def weight_spectra(model: GPT2 | PostLNGPT) -> WeightSpectra:
+    """Every weight-only quantity of docs/analysis.md, in float64 (computed once per model)."""
     config = model.config
     d, heads, d_h = config.n_embd, config.n_head, config.head_dim
     per_head: dict[str, list[torch.Tensor]] = {k: [] for k in ("q", "k", "v", "bq", "bk")}
-    per_layer: dict[str, list[torch.Tensor]] = {k: [] for k in ("o", "fc", "proj", "gamma", "beta")}
     for block in model.h:
         weight = block.attn.c_attn.weight.detach().double().cpu()  # [d, 3d], stored [in, out]
         bias = block.attn.c_attn.bias.detach().double().cpu()  # [3d]
@@ -53,22 +59,46 @@ def weight_spectra(model: GPT2) -> WeightSpectra:
             per_head[name].append(_spectral_norms(per_head_part))
         for name, part in zip(("bq", "bk"), bias.split(d)[:2]):
             per_head[name].append(part.reshape(heads, d_h).norm(dim=-1))  # [H]
-        per_layer["o"].append(_spectral_norms(block.attn.c_proj.weight.detach().double().cpu()))
-        per_layer["fc"].append(_spectral_norms(block.mlp.c_fc.weight.detach().double().cpu()))
-        per_layer["proj"].append(_spectral_norms(block.mlp.c_proj.weight.detach().double().cpu()))
-        per_layer["gamma"].append(block.ln_1.weight.detach().double().abs().max().cpu())
-        per_layer["beta"].append(block.ln_1.bias.detach().double().norm().cpu())
     q, k, v, bq, bk = (torch.stack(per_head[name]) for name in ("q", "k", "v", "bq", "bk"))  # [L, H]
-    o, fc, proj, gamma, beta = (torch.stack(per_layer[n]) for n in ("o", "fc", "proj", "gamma", "beta"))
-    # ‖LN(x)‖₂ ≤ Γ·sqrt(d) + ‖β‖₂, because the normalised x has norm at most sqrt(d).
-    ln_radius = (gamma * math.sqrt(d) + beta)[:, None]  # [L, 1]
-    logit_bound = (q * ln_radius + bq) * (k * ln_radius + bk) / math.sqrt(d_h)  # [L, H]
+    # One batched call per kind of per-layer matrix, each stacked [L, r, c].
+    o, fc, proj = (
+        _spectral_norms(torch.stack([block.get_submodule(module).weight.detach().double().cpu() for block in model.h]))
+        for module in ("attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+    )  # [L] each
+    gamma, beta, radius = attention_input_bounds(model)  # [L] each
+    logit_bound = (q * radius[:, None] + bq) * (k * radius[:, None] + bk) / math.sqrt(d_h)  # [L, H]
     seed_logit_bound = gamma[:, None] ** 2 * q * k * math.sqrt(d)  # [L, H]
     return WeightSpectra(
         query=q, key=k, value=v, query_bias=bq, key_bias=bk,
-        attn_proj=o, mlp_fc=fc, mlp_proj=proj, ln1_gain_max=gamma, ln1_shift_norm=beta,
+        attn_proj=o, mlp_fc=fc, mlp_proj=proj, input_gain_max=gamma, input_shift_norm=beta, input_radius=radius,
         logit_bound=logit_bound, seed_logit_bound=seed_logit_bound,
     )
+
+
+def attention_input_bounds(model: GPT2 | PostLNGPT) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per layer, float64 [L] each: Γ and ‖β‖₂ of the LayerNorm the attention reads, and R.
+
+    ‖LN(x)‖₂ ≤ Γ·sqrt(d) + ‖β‖₂, because the normalised x has norm at most sqrt(d). A Post-LN
+    model's first attention reads embeddings: R = max‖token row‖ + max‖position row‖, and Γ is
+    reported as R / sqrt(d) (β = 0), the gain a LayerNorm would need for the same radius.
+    """
+    d = model.config.n_embd
+    if isinstance(model, PostLNGPT):
+        norms: list[nn.LayerNorm | None] = [None] + [block.ln_2 for block in model.h[:-1]]
+    else:
+        norms = [block.ln_1 for block in model.h]
+    gains, shifts = [], []
+    for norm in norms:
+        if norm is None:
+            tokens = model.tokens_embed.weight.detach().double().norm(dim=-1).max()
+            positions = model.positions_embed.weight.detach().double().norm(dim=-1).max()
+            gains.append(((tokens + positions) / math.sqrt(d)).cpu())
+            shifts.append(torch.zeros((), dtype=torch.float64))
+        else:
+            gains.append(norm.weight.detach().double().abs().max().cpu())
+            shifts.append(norm.bias.detach().double().norm().cpu())
+    gamma, beta = torch.stack(gains), torch.stack(shifts)  # [L]
+    return gamma, beta, gamma * math.sqrt(d) + beta
 
 
 def column_sum_bound(column_sums: torch.Tensor) -> torch.Tensor:

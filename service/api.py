@@ -10,7 +10,8 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.concurrency import run_in_threadpool
 
-from service import analysis_routes, routes_openai, routes_tgi
+from service import routes_openai, routes_tgi
+from service.analysis import routes as analysis_routes
 from service.errors import error_response
 from service.schemas import Info, SimpleToken, TokenizeRequest
 from service.state import service_state

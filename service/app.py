@@ -9,14 +9,12 @@ spawned, and /analyze runs on this process's copy, never stalling the core's ste
 
 from __future__ import annotations
 
-import threading
 from contextlib import asynccontextmanager
 
 import torch
 from fastapi import FastAPI
 
-from model.analysis import cached_weight_spectra
-
+from service.analysis.startup import prepare_analysis
 from service.api import include_routes
 from service.auth import BearerAuthMiddleware
 from service.body_limit import BodyLimitMiddleware
@@ -87,9 +85,6 @@ def create_app(settings: Settings) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         await state.client.start()
-        # Weight spectra depend on the weights only: compute them once now, off the request path,
-        # so the first /analyze/spectrum does not pay for them (seconds on the larger models).
-        threading.Thread(target=cached_weight_spectra, args=(state.model,), daemon=True).start()
         state.serving = True
         try:
             yield
@@ -104,6 +99,7 @@ def create_app(settings: Settings) -> FastAPI:
         lifespan=lifespan,
     )
     app.state.service = state
+    prepare_analysis(app, settings, state.model)
     install_error_handlers(app)
     state.metrics.declare_endpoints(include_routes(app))
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)

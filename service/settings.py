@@ -47,8 +47,16 @@ class Settings(BaseSettings):
 
     # --- /analyze/spectrum --------------------------------------------------------------------
     analysis_max_texts: int = Field(8, ge=1, le=256, description="texts per analysis request")
-    analysis_max_tokens: int = Field(512, ge=1, description="tokens per analysed text")
+    analysis_max_tokens: int | None = Field(
+        None, ge=1, description="tokens per analysed text; default (and at most): the model's context"
+    )
     analysis_max_concurrent: int = Field(1, ge=1, le=64, description="analyses running at once; more get 429")
+    compare_model_dir: Path | None = Field(
+        None, description="a second, analysis-only model (GPT-2 or Post-LN GPT-1) that /analyze/spectrum also measures"
+    )
+    compare_model_name: str | None = Field(
+        None, min_length=1, max_length=200, description="its name in reports; default the folder's name"
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> "Settings":

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
+from torch import nn
 
 from model.config import GPT2Config
 from model.gpt2 import GPT2
@@ -101,22 +102,28 @@ def _cut_off_tensor(path: Path) -> str | None:
     )
 
 
-def read_state_dict(model_dir: Path, config: GPT2Config, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Tensors renamed to our module names, checked against the config, converted to dtype."""
+def read_state_dict(
+    model_dir: Path, config: GPT2Config, dtype: torch.dtype, model_class: type[nn.Module] = GPT2, tied: dict[str, str] = TIED
+) -> dict[str, torch.Tensor]:
+    """Tensors renamed to our module names, checked against the config, converted to dtype.
+
+    `model_class(config)` gives the parameters expected; `tied` maps a tensor that must equal
+    another one (an LM head tied to the embeddings) to that one.
+    """
     files = checkpoint_files(model_dir)
-    expected = _expected_shapes(config)
+    expected = _expected_shapes(config, model_class)
     described = _describe(model_dir, config)
     state: dict[str, torch.Tensor] = {}
     origin: dict[str, Path] = {}
-    tied: dict[str, tuple[str, torch.Tensor]] = {}
+    tied_copies: dict[str, tuple[str, torch.Tensor]] = {}
     prefix = ""  # the checkpoint's naming, so messages use the names its author will recognise
     for path, raw_name, tensor in _read_tensors(files):
         name = canonical_name(raw_name)
         if is_ignored(name):
             continue
         where = f"{path}: tensor {raw_name!r}"
-        if name in TIED:
-            tied[name] = (where, tensor)
+        if name in tied:
+            tied_copies[name] = (where, tensor)
             continue
         prefix = raw_name[: len(raw_name) - len(name)]
         if name not in expected:
@@ -135,11 +142,11 @@ def read_state_dict(model_dir: Path, config: GPT2Config, dtype: torch.dtype) -> 
         shown = ", ".join(repr(prefix + n) for n in missing[:5]) + (" ..." if len(missing) > 5 else "")
         source = files[0] if len(files) == 1 else f"{model_dir} ({len(files)} shards)"
         raise CheckpointError(f"{source}: lacks {len(missing)} tensor(s) that {described} needs: {shown}")
-    for name, (where, tensor) in tied.items():
-        target = state[TIED[name]]
+    for name, (where, tensor) in tied_copies.items():
+        target = state[tied[name]]
         if tuple(tensor.shape) != tuple(target.shape) or not torch.equal(tensor.to(dtype), target):
             raise CheckpointError(
-                f"{where} differs from {prefix + TIED[name]!r}; GPT-2 ties them and an untied"
+                f"{where} differs from {prefix + tied[name]!r}; the model ties them and an untied"
                 " head is not supported"
             )
     return state
@@ -166,9 +173,13 @@ def load_model(
 ) -> GPT2:
     model_dir = Path(model_dir)
     config = load_config(model_dir)
-    state = read_state_dict(model_dir, config, dtype)
+    return build_model(GPT2, config, read_state_dict(model_dir, config, dtype), device)
+
+
+def build_model(model_class: type[nn.Module], config, state: dict[str, torch.Tensor], device: str | torch.device):
+    """The model with these tensors, on `device`, ready for inference (laid out by `prepare`)."""
     with torch.device("meta"):
-        model = GPT2(config)
+        model = model_class(config)
     model.load_state_dict(state, strict=True, assign=True)
     model = model.to(device=device).eval().requires_grad_(False)
     model.prepare()
@@ -187,9 +198,9 @@ def load_config(model_dir: Path) -> GPT2Config:
         raise CheckpointError(str(exc)) from exc
 
 
-def _expected_shapes(config: GPT2Config) -> dict[str, tuple[int, ...]]:
+def _expected_shapes(config: GPT2Config, model_class: type[nn.Module] = GPT2) -> dict[str, tuple[int, ...]]:
     with torch.device("meta"):
-        return {name: tuple(p.shape) for name, p in GPT2(config).named_parameters()}
+        return {name: tuple(p.shape) for name, p in model_class(config).named_parameters()}
 
 
 def _describe(model_dir: Path, config: GPT2Config) -> str:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
+from torch import nn
 from tqdm import tqdm
 
 from model.config import GPT2Config
@@ -16,17 +17,24 @@ from weights.checkpoint import CONFIG_FILE, SINGLE_FILE
 from weights.names import hf_name
 
 
-def init_state(config: GPT2Config, seed: int = 0, progress: bool = False) -> dict[str, torch.Tensor]:
+def init_state(
+    config: GPT2Config,
+    seed: int = 0,
+    progress: bool = False,
+    model_class: type[nn.Module] = GPT2,
+    scale_residual: bool = True,
+) -> dict[str, torch.Tensor]:
     """GPT-2's initialisation (transformers' GPT2PreTrainedModel._init_weights), seeded.
 
     Weights and embeddings ~ N(0, 0.02); residual projections (attn.c_proj, mlp.c_proj) scaled
-    by 1/sqrt(2·n_layer); biases 0; LayerNorm gain 1, shift 0. The same seed and config give the
-    same tensors on every machine (CPU generator, fixed parameter order).
+    by 1/sqrt(2·n_layer) when `scale_residual` (GPT-1's init does not); biases 0; LayerNorm
+    gain 1, shift 0. The same seed and config give the same tensors on every machine (CPU
+    generator, fixed parameter order). `model_class(config)` names the parameters.
     """
     generator = torch.Generator().manual_seed(seed)
     with torch.device("meta"):
-        shapes = {name: p.shape for name, p in GPT2(config).named_parameters()}
-    residual_std = config.initializer_range / math.sqrt(2 * config.n_layer)
+        shapes = {name: p.shape for name, p in model_class(config).named_parameters()}
+    residual_std = config.initializer_range / (math.sqrt(2 * config.n_layer) if scale_residual else 1.0)
     state = {}
     for name, shape in tqdm(shapes.items(), desc="random init", disable=not progress):
         leaf = name.rsplit(".", 1)[-1]

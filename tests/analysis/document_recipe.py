@@ -1,6 +1,6 @@
 """The source document's experiment (seeds/001, §2.3), run through transformers: the reference.
 
-Its script, minus the padding ANALYSIS.md removes on purpose: one text at a time (batch size 1),
+Its script, minus the padding docs/analysis.md explains we leave out: one text at a time (batch size 1),
 `AutoModel` with eager attention and `output_attentions=True`, `svdvals(head.float()).max()` per
 head, averaged per layer over texts and heads.
 """
@@ -27,11 +27,11 @@ def document_sigmas(model, token_ids: list[list[int]]) -> torch.Tensor:
     """σ_max of every head, [n_texts, n_layer, n_head], float32, exactly as the script takes them."""
     per_text = []
     for ids in token_ids:
-        attentions = model(torch.tensor([ids]), output_attentions=True).attentions
+        attentions = model(torch.tensor([ids], device=model.device), output_attentions=True).attentions
         per_text.append(
             torch.stack([torch.stack([torch.linalg.svdvals(head.float()).max() for head in layer[0]]) for layer in attentions])
         )
-    return torch.stack(per_text)
+    return torch.stack(per_text).cpu()
 
 
 def document_curve(model, token_ids: list[list[int]]) -> list[float]:
@@ -49,7 +49,7 @@ def residual_stream(model, ids: list[int]) -> list[torch.Tensor]:
     captured = []
     hook = model.ln_f.register_forward_hook(lambda module, args, output: captured.append(args[0]))
     try:
-        hidden = model(torch.tensor([ids]), output_hidden_states=True).hidden_states
+        hidden = model(torch.tensor([ids], device=model.device), output_hidden_states=True).hidden_states
     finally:
         hook.remove()
-    return [h[0] for h in hidden[:-1]] + [captured[0][0]]
+    return [h[0].cpu() for h in hidden[:-1]] + [captured[0][0].cpu()]

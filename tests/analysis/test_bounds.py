@@ -21,14 +21,14 @@ ROUNDING = 1e-5
 WEIGHT_SCALES = (0.3, 1.0, 4.0, 12.0)  # from near-uniform attention to nearly one-hot
 
 
-def scaled_model(directory: Path, scale: float, seed: int):
+def scaled_model(directory: Path, scale: float, seed: int, device: torch.device | str = "cpu"):
     """The tiny model with its query/key weights scaled: larger logits, sharper attention."""
     state = perturbed_state(TINY, seed=seed)
     for name, tensor in state.items():
         if name.endswith(("attn.c_attn.weight", "attn.c_attn.bias")):
             tensor[..., : 2 * TINY.n_embd] *= scale  # W_Q, W_K and their biases, not W_V
     write_model_dir(directory / f"scale-{scale}-seed-{seed}", TINY, state)
-    return load_model(directory / f"scale-{scale}-seed-{seed}")
+    return load_model(directory / f"scale-{scale}-seed-{seed}", device=device)
 
 
 def random_sequences(count: int, seed: int) -> list[list[int]]:
@@ -41,10 +41,10 @@ def test_weight_spectra_equal_direct_float64_svds(tiny_model, tiny_document_mode
     spectra = weight_spectra(tiny_model)
     d, heads, d_h = TINY.n_embd, TINY.n_head, TINY.head_dim
     for layer, block in enumerate(tiny_document_model.h):  # transformers' copy of the same weights
-        weight = block.attn.c_attn.weight.detach().double().numpy()  # [d, 3d]
-        bias = block.attn.c_attn.bias.detach().double().numpy()
-        gamma = block.ln_1.weight.detach().double().numpy()
-        beta = block.ln_1.bias.detach().double().numpy()
+        weight = block.attn.c_attn.weight.detach().double().cpu().numpy()  # [d, 3d]
+        bias = block.attn.c_attn.bias.detach().double().cpu().numpy()
+        gamma = block.ln_1.weight.detach().double().cpu().numpy()
+        beta = block.ln_1.bias.detach().double().cpu().numpy()
         radius = np.abs(gamma).max() * math.sqrt(d) + np.linalg.norm(beta)
         for head in range(heads):
             cols = slice(head * d_h, (head + 1) * d_h)
@@ -58,7 +58,7 @@ def test_weight_spectra_equal_direct_float64_svds(tiny_model, tiny_document_mode
             seed_m = np.abs(gamma).max() ** 2 * norms[0] * norms[1] * math.sqrt(d)
             assert spectra.seed_logit_bound[layer, head].item() == pytest.approx(seed_m, rel=1e-9)
         for ours, theirs in ((spectra.attn_proj, block.attn.c_proj), (spectra.mlp_fc, block.mlp.c_fc), (spectra.mlp_proj, block.mlp.c_proj)):
-            assert ours[layer].item() == pytest.approx(np.linalg.norm(theirs.weight.detach().double().numpy(), 2), rel=1e-9)
+            assert ours[layer].item() == pytest.approx(np.linalg.norm(theirs.weight.detach().double().cpu().numpy(), 2), rel=1e-9)
 
 
 def test_logits_stay_within_the_weight_bound(tiny_model, tiny_document_model) -> None:
@@ -72,12 +72,12 @@ def test_logits_stay_within_the_weight_bound(tiny_model, tiny_document_model) ->
     try:
         for ids in random_sequences(4, seed=3):
             with torch.no_grad():
-                tiny_document_model(torch.tensor([ids]))
+                tiny_document_model(torch.tensor([ids], device=tiny_document_model.device))
             for layer, block in enumerate(tiny_document_model.h):
                 q, k, _ = block.attn.c_attn(captured[layer]).split(TINY.n_embd, dim=-1)  # 3 × [n, d]
                 q = q.view(-1, TINY.n_head, TINY.head_dim).transpose(0, 1)  # [H, n, d_h]
                 k = k.view(-1, TINY.n_head, TINY.head_dim).transpose(0, 1)  # [H, n, d_h]
-                logits = (q @ k.mT).abs().amax(dim=(1, 2)) / math.sqrt(TINY.head_dim)  # [H]
+                logits = (q @ k.mT).abs().amax(dim=(1, 2)).cpu() / math.sqrt(TINY.head_dim)  # [H]
                 assert (logits <= spectra.logit_bound[layer] * (1 + ROUNDING)).all()
     finally:
         for hook in hooks:
@@ -94,9 +94,9 @@ def test_prenorm_and_seed_formulas_equal_direct_sums() -> None:
 
 
 @pytest.mark.parametrize("scale", WEIGHT_SCALES)
-def test_every_measured_norm_lies_within_its_bounds(tmp_path, scale: float) -> None:
+def test_every_measured_norm_lies_within_its_bounds(tmp_path, scale: float, device) -> None:
     for seed in range(2):
-        model = scaled_model(tmp_path, scale, seed)
+        model = scaled_model(tmp_path, scale, seed, device)
         report = analyze(model, random_sequences(6, seed=10 * seed + 1), "exact")
         for sequence in report.sequences:
             bounds = report.bounds(sequence)
@@ -113,9 +113,9 @@ def test_every_measured_norm_lies_within_its_bounds(tmp_path, scale: float) -> N
             assert entry["bounds"]["seed_prenorm"]["valid"] is False
 
 
-def test_seed_formula_is_reported_as_invalid_because_it_fails(tmp_path) -> None:
-    """ANALYSIS.md: on small random weights the document's formula falls below the measurement."""
-    report = analyze(scaled_model(tmp_path, 0.3, seed=0), random_sequences(3, seed=5), "exact").to_dict()
+def test_seed_formula_is_reported_as_invalid_because_it_fails(tmp_path, device) -> None:
+    """docs/analysis.md: on small random weights the document's formula falls below the measurement."""
+    report = analyze(scaled_model(tmp_path, 0.3, seed=0, device=device), random_sequences(3, seed=5), "exact").to_dict()
     violations = sum(entry["bounds"]["seed_prenorm"]["violations"] for entry in report["layers"])
     assert violations > 0
     assert all(entry["bounds"]["prenorm"]["violations"] == 0 for entry in report["layers"])

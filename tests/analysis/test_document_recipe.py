@@ -84,7 +84,7 @@ def test_residual_norms_equal_a_direct_computation(tiny_model, tiny_document_mod
 def test_last_residual_is_taken_before_ln_f(tiny_model, tiny_document_model) -> None:
     # transformers' last hidden state is after ln_f: a report that used it would differ here.
     ids = [464, 2068, 7586, 21831, 18045, 625, 262, 16931, 3290, 13]
-    hidden_after_ln_f = tiny_document_model(torch.tensor([ids]), output_hidden_states=True).hidden_states[-1][0]
+    hidden_after_ln_f = tiny_document_model(torch.tensor([ids], device=tiny_document_model.device), output_hidden_states=True).hidden_states[-1][0].cpu()
     after_ln_f = (hidden_after_ln_f - hidden_after_ln_f.mean(dim=0)).norm().item()
     reported = analyze(tiny_model, [ids], "fast").to_dict()["sequences"][0]["residual_norm"][-1]
     direct = residual_stream(tiny_document_model, ids)[-1]
@@ -93,8 +93,9 @@ def test_last_residual_is_taken_before_ln_f(tiny_model, tiny_document_model) -> 
 
 
 @pytest.fixture(scope="module")
-def default_models(default_model_dir):
-    return load_model(default_model_dir), load_document_model(default_model_dir), load_document_tokenizer(default_model_dir)
+def default_models(default_model_dir, device):
+    document_model = load_document_model(default_model_dir).to(device)
+    return load_model(default_model_dir, device=device), document_model, load_document_tokenizer(default_model_dir)
 
 
 @pytest.mark.slow
@@ -106,9 +107,9 @@ def test_default_124m_model_matches_the_document_recipe(default_models, method, 
     check_against_recipe(model, document_model, [ids], method, rtol)
 
 
-def test_a_bfloat16_served_model_is_measured_on_float32_probabilities(tiny_model_dir, tiny_model, document_tokenizer) -> None:
+def test_a_bfloat16_served_model_is_measured_on_float32_probabilities(tiny_model_dir, tiny_model, document_tokenizer, device) -> None:
     token_ids = [document_tokenizer(text)["input_ids"] for text in TEXTS]
-    served = load_model(tiny_model_dir, dtype=torch.bfloat16)
+    served = load_model(tiny_model_dir, device=device, dtype=torch.bfloat16)
     report = analyze(served, token_ids, "fast")
     assert all(s.spectral_norm.dtype == torch.float32 for s in report.sequences)
     # bfloat16 weights give slightly different probabilities (8-bit mantissas), not other ones.

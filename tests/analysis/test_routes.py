@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import sys
 import threading
 import xml.etree.ElementTree as ET
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from service import analysis_routes
-from service.analysis_figure import MEAN_GID, SVG_MEDIA_TYPE
+from model.analysis import analyze
+from service.analysis import routes as analysis_routes
+from service.analysis.figure import MEAN_GID, SVG_MEDIA_TYPE
 from tests.analysis.conftest import ANALYSIS_MAX_TOKENS, TEXTS
 from tests.analysis.document_recipe import document_curve
 from tests.conftest import TINY, assert_validation_error
@@ -91,6 +93,7 @@ def test_svg_is_the_figure_with_one_point_per_layer(client) -> None:
         ({"json": {"token_ids": [[1], []]}}, ("token_ids[1]", "no tokens")),
         ({"json": {"texts": ["a"], "layers": []}}, ("layers is empty",)),
         ({"json": {"texts": ["a"], "colour": "red"}}, ("colour",)),
+        ({"json": {"texts": ["a"], "compare": True}}, ("compare", "no comparison model", "--compare-model-dir")),
     ],
 )
 def test_bad_input_is_a_422_saying_what_is_wrong(client, request_kwargs, words) -> None:
@@ -116,13 +119,13 @@ def test_over_the_concurrency_limit_is_429_then_served_again(client, app) -> Non
 
 def test_analysis_runs_in_a_worker_thread(client, monkeypatch) -> None:
     threads = []
-    real = analysis_routes.report_dict
+    real = analysis_routes.reports
 
     def spy(*args, **kwargs):
         threads.append(threading.current_thread())
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(analysis_routes, "report_dict", spy)
+    monkeypatch.setattr(analysis_routes, "reports", spy)
     assert client.get(URL, params={"text": "where", "layers": "0"}).status_code == 200
     assert len(threads) == 1 and threads[0] is not threading.main_thread()
     assert threads[0].name.startswith("AnyIO worker thread")
@@ -146,3 +149,45 @@ def test_requests_and_durations_are_counted(client) -> None:
     assert after["success"] == before["success"] + 1
     assert after["validation"] == before["validation"] + 1
     assert after["durations"] == before["durations"] + 1
+
+
+def test_svg_without_matplotlib_is_a_422_before_any_work(client, monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # what an install without it looks like
+    monkeypatch.setattr(analysis_routes, "reports", lambda *a: pytest.fail("analysed for a figure it cannot draw"))
+    assert_validation_error(client.get(URL, params={"text": "x", "format": "svg"}), "matplotlib", "not installed")
+    monkeypatch.undo()
+    assert client.get(URL, params={"text": "x", "format": "svg", "layers": "0"}).status_code == 200
+
+
+def test_one_request_returns_both_models_curves(compare_client, tiny_model, tiny_post_ln_model, tokenizer) -> None:
+    response = compare_client.post(URL, json={"texts": TEXTS[:2]})
+    assert response.status_code == 200, response.text
+    body = response.json()
+    ids = tokenizer.encode_batch(TEXTS[:2])
+    assert body["model"]["name"] == "tiny" and body["model"]["architecture"] == "pre-ln"
+    [other] = body["compare"]
+    assert other["model"]["name"] == "tiny-post-ln" and other["model"]["architecture"] == "post-ln"
+    assert means(body) == pytest.approx(means(analyze(tiny_model, ids, "fast").to_dict()), rel=1e-4)
+    assert means(other) == pytest.approx(means(analyze(tiny_post_ln_model, ids, "fast").to_dict()), rel=1e-4)
+    assert means(body) != pytest.approx(means(other), rel=1e-3)  # two models, two curves
+    alone = compare_client.post(URL, json={"texts": TEXTS[:2], "compare": False}).json()
+    assert "compare" not in alone and means(alone) == pytest.approx(means(body), rel=1e-6)
+
+
+def test_the_comparison_figure_draws_both_curves(compare_client) -> None:
+    response = compare_client.get(URL, params={"text": TEXTS[:2], "format": "svg"})
+    assert response.status_code == 200
+    root = ET.fromstring(response.content)
+    for gid in (MEAN_GID, f"{MEAN_GID}-1"):
+        [group] = [g for g in root.iter(f"{SVG_NS}g") if g.get("id") == gid]
+        assert len([use for use in group.iter(f"{SVG_NS}use") if use.get(XLINK_HREF)]) == TINY.n_layer
+    assert "tiny-post-ln" in "".join(root.itertext())
+
+
+def test_default_per_text_limit_is_the_model_context(compare_client) -> None:
+    full = list(range(TINY.n_positions))
+    assert compare_client.post(URL, json={"token_ids": [full], "layers": [0], "compare": False}).status_code == 200
+    assert_validation_error(
+        compare_client.post(URL, json={"token_ids": [full + [1]], "layers": [0]}),
+        "token_ids[0]", f"{TINY.n_positions + 1} tokens", f"at most {TINY.n_positions}",
+    )

@@ -62,67 +62,70 @@ def families(n: int, seed: int) -> dict[str, torch.Tensor]:
 
 
 def float64_reference(matrices: torch.Tensor) -> np.ndarray:
-    return np.array([np.linalg.svd(m.double().numpy(), compute_uv=False)[0] for m in matrices])
+    return np.array([np.linalg.svd(m.double().cpu().numpy(), compute_uv=False)[0] for m in matrices])
 
 
 def relative_error(actual: torch.Tensor, expected) -> float:
-    expected = torch.as_tensor(expected, dtype=torch.float64)
-    return ((actual.double() - expected).abs() / expected).max().item()
+    assert isinstance(actual, torch.Tensor)
+    expected = torch.as_tensor(expected.cpu() if isinstance(expected, torch.Tensor) else expected, dtype=torch.float64)
+    return ((actual.double().cpu() - expected).abs() / expected).max().item()
 
 
 @pytest.mark.parametrize("n", SIZES)
-def test_exact_matches_float64_lapack(n: int) -> None:
+def test_exact_matches_float64_lapack(n: int, device) -> None:
     for name, matrices in families(n, seed=n).items():
+        matrices = matrices.to(device)
         assert relative_error(spectral_norm_exact(matrices), float64_reference(matrices)) < EXACT_TOLERANCE, name
 
 
 @pytest.mark.parametrize("n", SIZES)
-def test_fast_agrees_with_exact_on_every_matrix(n: int) -> None:
+def test_fast_agrees_with_exact_on_every_matrix(n: int, device) -> None:
     for name, matrices in families(n, seed=100 + n).items():
+        matrices = matrices.to(device)
         fast = spectral_norm_fast(matrices)
         exact = spectral_norm_exact(matrices)
-        assert fast.dtype == torch.float32 and fast.shape == exact.shape
+        assert fast.dtype == torch.float32 and fast.shape == exact.shape and fast.device == matrices.device
         assert relative_error(fast, exact) < FAST_TOLERANCE, name
 
 
-def test_fast_on_many_random_attention_matrices() -> None:
+def test_fast_on_many_random_attention_matrices(device) -> None:
     generator = torch.Generator().manual_seed(7)
     for trial in range(12):
         n = int(torch.randint(20, 90, (1,), generator=generator))
         scale = float(torch.empty(1).uniform_(0.0, 8.0, generator=generator))
-        matrices = attention_like(n, scale, 6, seed=1000 + trial)
+        matrices = attention_like(n, scale, 6, seed=1000 + trial).to(device)
         assert relative_error(spectral_norm_fast(matrices), spectral_norm_exact(matrices)) < FAST_TOLERANCE, (n, scale)
 
 
-def test_fast_hands_what_it_cannot_certify_to_lapack() -> None:
+def test_fast_hands_what_it_cannot_certify_to_lapack(device) -> None:
     # Gaussian matrices have close top singular values: one iteration certifies none of them,
     # so every value here must come from the LAPACK fallback.
-    matrices = torch.randn(4, 120, 120, generator=torch.Generator().manual_seed(3))
+    matrices = torch.randn(4, 120, 120, generator=torch.Generator().manual_seed(3)).to(device)
     exact = spectral_norm_exact(matrices)
     assert relative_error(spectral_norm_fast(matrices, max_iterations=1), exact) < FAST_TOLERANCE
     # Nothing is ever certified at rtol = 0: every value is LAPACK's.
     assert torch.equal(spectral_norm_fast(matrices, rtol=0.0, max_iterations=2), exact)
 
 
-def test_start_vectors_change_the_speed_never_the_value() -> None:
-    matrices = attention_like(40, 2.0, 3, seed=11)
+def test_start_vectors_change_the_speed_never_the_value(device) -> None:
+    matrices = attention_like(40, 2.0, 3, seed=11).to(device)
     exact = spectral_norm_exact(matrices)
     generator = torch.Generator().manual_seed(12)
-    misleading_sums = torch.rand(3, 40, generator=generator)
-    misleading_rows = torch.randn(3, 5, 40, generator=generator)
+    misleading_sums = torch.rand(3, 40, generator=generator).to(device)
+    misleading_rows = torch.randn(3, 5, 40, generator=generator).to(device)
     for column_sums, warm_start in ((misleading_sums, None), (None, misleading_rows), (misleading_sums, misleading_rows)):
         assert relative_error(top_singular_fast(matrices, column_sums, warm_start).sigma, exact) < FAST_TOLERANCE
     # The vectors it returns start a similar batch: the same heads, slightly changed.
     first = top_singular_fast(matrices)
-    nearby = causal_softmax(torch.log(matrices) + 0.05 * torch.randn(3, 40, 40, generator=generator))
+    nearby = causal_softmax(torch.log(matrices) + 0.05 * torch.randn(3, 40, 40, generator=generator).to(device))
     again = top_singular_fast(nearby, warm_start=first.vectors)
     assert first.vectors.shape == (3, 16, 40)
     assert relative_error(again.sigma, spectral_norm_exact(nearby)) < FAST_TOLERANCE
 
 
-def test_batch_shape_and_determinism() -> None:
+def test_batch_shape_and_determinism(device) -> None:
     n = LAPACK_BELOW + 4  # large enough for the iteration
-    matrices = attention_like(n, 1.0, 6, seed=5).reshape(2, 3, n, n)
+    matrices = attention_like(n, 1.0, 6, seed=5).reshape(2, 3, n, n).to(device)
     torch.manual_seed(0)
     first = spectral_norm(matrices, "fast")
     torch.manual_seed(1)
@@ -133,9 +136,15 @@ def test_batch_shape_and_determinism() -> None:
         spectral_norm(matrices, "svd")
 
 
-def test_fast_leaves_small_matrices_to_lapack() -> None:
-    small = attention_like(LAPACK_BELOW - 1, 1.0, 3, seed=6)
+def test_fast_leaves_small_matrices_to_lapack(device) -> None:
+    small = attention_like(LAPACK_BELOW - 1, 1.0, 3, seed=6).to(device)
     top = top_singular(small, "fast")
     assert torch.equal(top.sigma, spectral_norm_exact(small)) and top.vectors is None
-    large = attention_like(LAPACK_BELOW, 1.0, 3, seed=6)
+    large = attention_like(LAPACK_BELOW, 1.0, 3, seed=6).to(device)
     assert top_singular(large, "fast").vectors is not None
+
+
+def test_exact_batched_equals_one_call_per_matrix_as_the_recipe_runs_it(device) -> None:
+    matrices = attention_like(50, 2.0, 5, seed=21).to(device)
+    one_by_one = torch.stack([torch.linalg.svdvals(m).max() for m in matrices])
+    torch.testing.assert_close(spectral_norm_exact(matrices), one_by_one, rtol=1e-6, atol=0.0)

@@ -1,14 +1,16 @@
-"""GET/POST /analyze/spectrum: the attention spectral analysis of ANALYSIS.md on the served model.
+"""GET/POST /analyze/spectrum: the attention spectral analysis (docs/analysis.md) on the served
+model, and on the analysis-only comparison model when the server loaded one (--compare-model-dir).
 
 An analysis runs in a worker thread, never on the event loop, and at most
 `analysis_max_concurrent` run at once: one more is answered 429 (overloaded, Retry-After) at
 once rather than queued, so analyses never pile up behind each other while generation shares the
-CPU. Texts are limited in number (`analysis_max_texts`) and length (`analysis_max_tokens`, and
-the model's context): beyond, 422 naming the text and the limit.
+CPU. Texts are limited in number (`analysis_max_texts`) and length (`analysis_max_tokens`,
+default and at most each model's context): beyond, 422 naming the text and the limit.
 """
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Iterator
@@ -16,14 +18,16 @@ from contextlib import contextmanager
 from typing import Literal
 
 from fastapi import APIRouter, Query, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from starlette.concurrency import run_in_threadpool
 
-from model.analysis import analyze, check_layers, check_sequences
-from service.analysis_figure import SVG_MEDIA_TYPE, render_svg
+from model.analysis import check_layers
+from service.analysis.figure import SVG_MEDIA_TYPE, FigureUnavailable, check_available, render_svg
+from service.analysis.report import Subject, check_request, combined, encode, reports
+from service.analysis.startup import compare_subject
 from service.errors import overloaded_error, validation_error
-from service.state import ServiceState, service_state
+from service.state import service_state
 
 router = APIRouter(tags=["Analysis"])
 
@@ -45,6 +49,9 @@ class SpectrumRequest(BaseModel):
     method: Method = Field("fast", description="exact: LAPACK svdvals; fast: block Krylov, 1e-4 relative")
     layers: list[int] | None = Field(None, description="layers whose attention to measure; default all")
     format: Format = Field("json", description="json: the report; svg: its figure")
+    compare: bool | None = Field(
+        None, description="also analyse the server's comparison model (default: when it has one)"
+    )
 
     @model_validator(mode="after")
     def _one_input(self) -> "SpectrumRequest":
@@ -60,13 +67,14 @@ async def spectrum_get(
     method: Method = Query("fast"),
     layers: list[str] | None = Query(None, description="layer indices, repeated or comma-separated"),
     format: Format = Query("json"),
+    compare: bool | None = Query(None, description="also analyse the comparison model (default: when loaded)"),
 ) -> Response:
-    return await _spectrum(request, text, None, method, _parse_layers(layers), format)
+    return await _spectrum(request, text, None, method, _parse_layers(layers), format, compare)
 
 
 @router.post(ENDPOINT, responses=RESPONSES, summary="Spectral norms of the attention matrices for texts or token ids")
 async def spectrum_post(body: SpectrumRequest, request: Request) -> Response:
-    return await _spectrum(request, body.texts, body.token_ids, body.method, body.layers, body.format)
+    return await _spectrum(request, body.texts, body.token_ids, body.method, body.layers, body.format, body.compare)
 
 
 async def _spectrum(
@@ -76,6 +84,7 @@ async def _spectrum(
     method: str,
     layers: list[int] | None,
     format: str,
+    compare: bool | None,
 ) -> Response:
     state = service_state(request)
     settings = state.settings
@@ -84,9 +93,17 @@ async def _spectrum(
         raise validation_error(
             f"{count} texts given; this server analyses at most {settings.analysis_max_texts} per request"
         )
-    config = state.model.config
+    subjects = [Subject(settings.model_name, state.model, state.tokenizer)]
+    other = compare_subject(request.app)
+    if compare and other is None:
+        raise validation_error("compare=true, but this server has no comparison model (start it with --compare-model-dir)")
+    if other is not None and compare is not False:
+        subjects.append(other)
     with _invalid_is_422():
-        check_layers(config, layers)
+        for subject in subjects:
+            check_layers(subject.model.config, layers)
+        if format == "svg":
+            check_available()
     gate = _gate(request, settings.analysis_max_concurrent)
     if not gate.acquire(blocking=False):
         raise overloaded_error(
@@ -94,41 +111,31 @@ async def _spectrum(
             settings.retry_after_seconds,
         )
     try:
-        if token_ids is None:
-            token_ids = await run_in_threadpool(state.tokenizer.encode_batch, texts)
+        per_subject = await run_in_threadpool(encode, subjects, texts, token_ids)
         with _invalid_is_422():
             what = "text" if texts is not None else "token_ids"
-            check_sequences(config, token_ids, settings.analysis_max_tokens, what)
+            check_request(subjects, per_subject, layers, settings.analysis_max_tokens, what)
         started = time.perf_counter()
-        body = await run_in_threadpool(_run, state, token_ids, method, layers, format)
+        body = await run_in_threadpool(_run, subjects, per_subject, method, layers, format)
         state.metrics.analysis_duration.observe(time.perf_counter() - started)
     finally:
         gate.release()
     if format == "svg":
         return Response(body, media_type=SVG_MEDIA_TYPE)
-    return JSONResponse(body)
+    # Serialised here, in the worker's result, not by a generic encoder walking every float.
+    return Response(body, media_type="application/json")
 
 
-def _run(state: ServiceState, token_ids: list[list[int]], method: str, layers: list[int] | None, format: str):
-    report = report_dict(state.model, state.settings.model_name, token_ids, method, layers)
-    return render_svg(report) if format == "svg" else report
-
-
-def report_dict(model, model_name: str, token_ids: list[list[int]], method: str, layers: list[int] | None) -> dict:
-    """The JSON body: the model's identity, then the report (shared with the command line)."""
-    config = model.config
-    described = {
-        "name": model_name, "n_layer": config.n_layer, "n_head": config.n_head, "n_embd": config.n_embd,
-        "dtype": str(model.dtype).removeprefix("torch."),
-    }
-    return {"model": described} | analyze(model, token_ids, method, layers).to_dict()
+def _run(subjects: list[Subject], token_ids: list[list[list[int]]], method: str, layers: list[int] | None, format: str):
+    measured = reports(subjects, token_ids, method, layers)
+    return render_svg(measured) if format == "svg" else json.dumps(combined(measured), allow_nan=False, separators=(",", ":"))
 
 
 @contextmanager
 def _invalid_is_422() -> Iterator[None]:
     try:
         yield
-    except ValueError as exc:
+    except (ValueError, FigureUnavailable) as exc:
         raise validation_error(str(exc)) from None
 
 
