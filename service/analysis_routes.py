@@ -23,6 +23,7 @@ from starlette.concurrency import run_in_threadpool
 from model.analysis import analyze, check_layers, check_sequences
 from service.analysis_figure import SVG_MEDIA_TYPE, render_svg
 from service.errors import overloaded_error, validation_error
+from service.schemas import Text
 from service.state import ServiceState, service_state
 
 router = APIRouter(tags=["Analysis"])
@@ -38,9 +39,9 @@ RESPONSES = {200: {"content": {SVG_MEDIA_TYPE: {}}, "description": "the report (
 
 
 class SpectrumRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
-    texts: list[str] | None = Field(None, min_length=1, description="texts to analyse, each on its own")
+    texts: list[Text] | None = Field(None, min_length=1, description="texts to analyse, each on its own")
     token_ids: list[list[int]] | None = Field(None, min_length=1, description="or token id sequences")
     method: Method = Field("fast", description="exact: LAPACK svdvals; fast: block Krylov, 1e-4 relative")
     layers: list[int] | None = Field(None, description="layers whose attention to measure; default all")
@@ -56,7 +57,7 @@ class SpectrumRequest(BaseModel):
 @router.get(ENDPOINT, responses=RESPONSES, summary="Spectral norms of the attention matrices for texts")
 async def spectrum_get(
     request: Request,
-    text: list[str] = Query(..., description="a text to analyse; repeat for several"),
+    text: list[Text] = Query(..., description="a text to analyse; repeat for several"),
     method: Method = Query("fast"),
     layers: list[str] | None = Query(None, description="layer indices, repeated or comma-separated"),
     format: Format = Query("json"),
