@@ -24,8 +24,13 @@ class GPT2Tokenizer:
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "GPT2Tokenizer":
         model_dir = Path(model_dir)
-        if (model_dir / "tokenizer.json").exists():
-            return cls(Tokenizer.from_file(str(model_dir / "tokenizer.json")))
+        path = model_dir / "tokenizer.json"
+        if path.exists():
+            try:
+                tokenizer = Tokenizer.from_file(str(path))
+            except Exception as exc:  # tokenizers raises a bare Exception for any unreadable file
+                raise ValueError(f"{path}: not a valid tokenizer.json ({exc})") from None
+            return cls(tokenizer)
         vocab, merges = model_dir / "vocab.json", model_dir / "merges.txt"
         if vocab.exists() and merges.exists():
             return cls(build_tokenizer(vocab, merges))
