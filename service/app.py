@@ -1,6 +1,7 @@
 """Builds the FastAPI application: loads the model, builds the engine loop, mounts the routes.
 
-Request path: BearerAuth (optional) → RequestMetrics → BodyLimit (413 before parsing)
+Request path: Framing (400: CL+TE) → HostAllowList (400, optional) → Drain (503 after SIGTERM)
+→ BearerAuth (optional) → RequestMetrics → BodyLimit (413 before parsing)
 → route → schemas/admission (422) → Generations → EngineLoop (its own thread) → back as events.
 """
 
@@ -17,11 +18,13 @@ from model.analysis import cached_weight_spectra
 from service.api import include_routes
 from service.auth import BearerAuthMiddleware
 from service.body_limit import BodyLimitMiddleware
+from service.drain import Drain, DrainMiddleware
 from service.engine import Engine, EngineConfig
 from service.errors import install_error_handlers
 from service.generation import Generations
 from service.loop import EngineLoop
 from service.metrics import RequestMetricsMiddleware
+from service.request_guards import FramingMiddleware, HostAllowListMiddleware
 from service.settings import Settings
 from service.state import ServiceState
 from weights.checkpoint import load_model
@@ -91,4 +94,10 @@ def create_app(settings: Settings) -> FastAPI:
     if settings.api_key is not None:
         # Added last, so outermost: unauthenticated requests do no work and are not counted.
         app.add_middleware(BearerAuthMiddleware, api_key=settings.api_key.get_secret_value())
+    # Outermost of all: refused on the headers alone, before auth and counting.
+    app.state.drain = Drain()  # begun by the server on SIGTERM (service/http_server.py)
+    app.add_middleware(DrainMiddleware, drain=app.state.drain, retry_after_seconds=settings.retry_after_seconds)
+    if settings.allowed_hosts is not None:
+        app.add_middleware(HostAllowListMiddleware, allowed_hosts=settings.allowed_hosts)
+    app.add_middleware(FramingMiddleware)
     return app

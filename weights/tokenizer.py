@@ -36,12 +36,16 @@ class GPT2Tokenizer:
             return cls(build_tokenizer(vocab, merges))
         raise FileNotFoundError(f"{model_dir}: no tokenizer.json, nor vocab.json with merges.txt")
 
+    # Through encode_batch even for one text: `tokenizers` releases the GIL there and not in
+    # encode, which holds it for the whole text (~0.9 s for 1 MB), freezing every other thread
+    # (the server's event loop included) however the call is scheduled.
+
     def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
+        return self.encode_batch([text])[0]
 
     def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
         """Token ids and each token's (start, end) character span in `text`."""
-        encoding = self._tok.encode(text, add_special_tokens=False)
+        (encoding,) = self._tok.encode_batch([text], add_special_tokens=False)
         return encoding.ids, encoding.offsets
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:

@@ -9,12 +9,18 @@ from pathlib import Path
 import pytest
 import torch
 
+import service.http_server
 from service.__main__ import main
 
 
+def never_serve(*args, **kwargs):
+    raise AssertionError("the service started")  # a regression must fail here, not serve
+
+
 def start(*argv: str) -> str:
-    with pytest.raises(SystemExit) as stopped:
-        main(["--port", "1", *argv])  # never reached: the checks come before binding
+    with pytest.MonkeyPatch.context() as patch, pytest.raises(SystemExit) as stopped:
+        patch.setattr(service.http_server, "serve", never_serve)
+        main([*argv])
     message = stopped.value.code
     assert isinstance(message, str), f"exited with {message!r}, not a message"
     assert message.startswith("cannot start: ") and "\n" not in message, message
