@@ -25,8 +25,9 @@ BIG_TEXT = ("The quick brown fox jumps over the lazy dog. " * 25_000)[:1_000_000
 HEAVY_CALLS = 3
 BASELINE_TOKENS = 60
 # Generous: a shared 2-core machine makes every gap noisy, and the heavy calls take CPU from the
-# engine on purpose. Work on the loop shows as a freeze of whole seconds, dozens of baselines.
-ALLOWED_FACTOR = 15
+# engine on purpose. Measured on 2 cores: ~30x the baseline with the work off the loop, ~450x
+# (an 11 s freeze) with it on.
+ALLOWED_FACTOR = 100
 
 
 def token_times(url: str, times: list[float], stop: threading.Event) -> None:
@@ -98,4 +99,4 @@ def test_a_stream_keeps_flowing_while_big_texts_are_tokenized(server):
                           "heavy_s": heavy_s, "tokens_during": len(during)})
     assert sorted(statuses) == [200] * HEAVY_CALLS + [422]  # the 1 MB prompt is longer than the context
     assert len(during) > 2, "no token arrived while the heavy calls ran"
-    assert worst < ALLOWED_FACTOR * baseline + 0.25, f"worst gap {worst:.3f}s vs baseline {baseline:.4f}s"
+    assert worst < ALLOWED_FACTOR * baseline, f"worst gap {worst:.3f}s vs baseline {baseline:.4f}s"
