@@ -66,7 +66,12 @@ async def generate_stream(body: TGIRequest, request: Request) -> Response:
     )
 
 
-@router.post("/", responses=ERRORS, summary="TGI's compatibility route: /generate or, with stream=true, /generate_stream")
+@router.post(
+    "/",
+    # With stream=true the answer is /generate_stream's event stream: documented, as clients see it.
+    responses={200: {"content": {"text/event-stream": {}}}, **ERRORS},
+    summary="TGI's compatibility route: /generate or, with stream=true, /generate_stream",
+)
 async def compat_generate(body: TGIRequest, request: Request) -> Response:
     if body.stream:
         return await generate_stream(body, request)
