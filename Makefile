@@ -9,7 +9,7 @@ MODEL_DIR ?= $(DEFAULT_MODEL_DIR)
 # The CPU build of torch; a bare `torch` requirement could pull a multi-GB CUDA build.
 TORCH_CPU := torch==2.13.0
 
-.PHONY: install system-deps weights serve test bench clean
+.PHONY: install system-deps weights serve test reliability bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -37,6 +37,11 @@ system-deps:
 
 test: weights system-deps
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# Runs the reliability tests (load, faults, fuzzing, hostile inputs) and rewrites RELIABILITY.md
+# from what they measured. RELIABILITY_SOAK=1 for the long soak.
+reliability: weights
+	$(PY) -m tests.reliability.report
 
 clean:
 	rm -rf $(VENV) weights/gpt2 weights/gpt2.partial weights/.cache

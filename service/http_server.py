@@ -39,6 +39,10 @@ from service.settings import Settings
 
 logger = logging.getLogger("uvicorn.error")
 FD_RESERVE = 128  # descriptors kept for the model files, logs, and the engine's own needs
+# asyncio accepts up to `backlog` connections per wake-up before any of them reaches
+# connection_made (where the cap is enforced): that many descriptors must be spare beyond the cap.
+# Also the kernel's queue of connections not yet accepted (uvicorn's default is 2048).
+BACKLOG = 128
 
 
 class GuardedH11Protocol(H11Protocol):
@@ -118,9 +122,10 @@ def connection_cap(configured: int) -> int:
     """The configured cap, lowered to fit the process' file-descriptor limit: past it, accept()
     fails in a loop (asyncio logs a traceback per try) and nobody is served."""
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft == resource.RLIM_INFINITY or configured + FD_RESERVE <= soft:
+    spare = FD_RESERVE + BACKLOG
+    if soft == resource.RLIM_INFINITY or configured + spare <= soft:
         return configured
-    lowered = max(1, soft - FD_RESERVE)
+    lowered = max(1, soft - spare)
     logger.warning("max_connections %d lowered to %d to fit the open-file limit (%d)", configured, lowered, soft)
     return lowered
 
@@ -164,7 +169,7 @@ SWITCH_INTERVAL_S = 0.0005
 def serve(app: FastAPI, settings: Settings) -> None:
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     config = uvicorn.Config(
-        app, host=settings.host, port=settings.port, http=guarded_protocol(settings),
+        app, host=settings.host, port=settings.port, http=guarded_protocol(settings), backlog=BACKLOG,
         timeout_keep_alive=settings.keep_alive_seconds, timeout_graceful_shutdown=settings.drain_seconds,
     )
     limit_repeated_lines()  # after uvicorn.Config, which configures logging
