@@ -32,6 +32,7 @@ def test_schema_driven_fuzzing_finds_no_server_error(tiny_model_dir, tmp_path):
              "--max-examples", str(EXAMPLES), "--seed", str(SEED), "--request-timeout", "60",
              "--report", "json", "--report-json-path", str(report), "--no-color"],
             capture_output=True, text=True, timeout=TIME_LIMIT_S,
+            cwd=tmp_path,  # schemathesis keeps a .schemathesis cache in its working directory
         )
         outcome = json.loads(report.read_text())
         cases = outcome["test_cases"]
