@@ -10,7 +10,7 @@ MODEL_DIR ?= $(DEFAULT_MODEL_DIR)
 # machine, `make test-cuda TORCH_CPU=torch==2.13.0+cu130` (or any CUDA build) installs that instead.
 TORCH_CPU ?= torch==2.13.0
 
-.PHONY: install system-deps weights serve test test-cuda bench-serve clean
+.PHONY: install system-deps weights serve test test-cuda reliability bench-serve clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -47,6 +47,11 @@ test-cuda: weights
 # What clients get over HTTP, beside the engine called directly and transformers (bench/bench_serve.py).
 bench-serve: weights
 	$(PY) -m bench.bench_serve $(BENCH_ARGS)
+
+# Runs the reliability tests (load, faults, fuzzing, hostile inputs) and rewrites RELIABILITY.md
+# from what they measured. RELIABILITY_SOAK=1 for the long soak.
+reliability: weights
+	$(PY) -m tests.reliability.report
 
 clean:
 	rm -rf $(VENV) weights/gpt2 weights/gpt2.partial weights/.cache

@@ -8,9 +8,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-import uvicorn
+import torch
 from pydantic import ValidationError
 
+from service.request_guards import default_allowed_hosts
 from service.settings import Settings
 from weights.checkpoint import CheckpointError
 
@@ -33,15 +34,21 @@ def parse_settings(argv: list[str] | None = None) -> Settings:
 
 def main(argv: list[str] | None = None) -> None:
     settings = parse_settings(argv)
+    if settings.allowed_hosts is None:
+        # Decided here, where the socket is bound; in-process apps (tests) take any Host.
+        settings = settings.model_copy(update={"allowed_hosts": default_allowed_hosts(settings.host)})
+    if settings.device == "cuda" and not torch.cuda.is_available():
+        sys.exit(f"cannot start: --device cuda, but this torch ({torch.__version__}) sees no CUDA device")
     from service.app import create_app
+    from service.http_server import serve
 
     try:
         app = create_app(settings)
     except (CheckpointError, FileNotFoundError, ValueError) as exc:
         sys.exit(f"cannot start: {exc}")
-    # On SIGTERM uvicorn stops accepting, lets open responses finish for up to drain_seconds,
-    # then runs the app's shutdown, which drains the engine loop.
-    uvicorn.run(app, host=settings.host, port=settings.port, timeout_graceful_shutdown=settings.drain_seconds)
+    # On SIGTERM: new requests get 503 while open responses finish (up to drain_seconds); the
+    # engine core drains alongside and cancels what is left just before that deadline.
+    serve(app, settings)
 
 
 if __name__ == "__main__":

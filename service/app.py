@@ -1,6 +1,7 @@
 """Builds the FastAPI application: loads the model, starts the engine core, mounts the routes.
 
-Request path: BearerAuth (optional) → RequestMetrics → BodyLimit (413 before parsing)
+Request path: Framing (400: CL+TE) → HostAllowList (400, optional) → Drain (503 after SIGTERM)
+→ BearerAuth (optional) → RequestMetrics → BodyLimit (413 before parsing)
 → route → schemas/admission (422) → Generations → EngineClient → (IPC) engine core process
 → token ids → OutputProcessor (text, stop strings) → back as events.
 The model is loaded here too: a bad checkpoint stops start-up with its message before a core is
@@ -21,9 +22,11 @@ from service.body_limit import BodyLimitMiddleware
 from service.client import EngineClient
 from service.engine.core import EngineConfig
 from service.engine.process import CoreProcessConfig
+from service.drain import Drain, DrainMiddleware
 from service.errors import install_error_handlers
 from service.generation import Generations
 from service.metrics import RequestMetricsMiddleware
+from service.request_guards import FramingMiddleware, HostAllowListMiddleware
 from service.settings import Settings
 from service.state import ServiceState
 from weights.checkpoint import load_model
@@ -89,8 +92,8 @@ def create_app(settings: Settings) -> FastAPI:
         try:
             yield
         finally:
-            # uvicorn has already waited (up to drain_seconds) for open responses; what is still
-            # running now finishes or is cancelled by the core's own drain.
+            # The server has already waited (up to drain_seconds) for open responses, and the core
+            # has been draining since SIGTERM; this waits for its exit.
             await state.client.stop(timeout=settings.drain_seconds)
 
     app = FastAPI(
@@ -107,4 +110,14 @@ def create_app(settings: Settings) -> FastAPI:
     if settings.api_key is not None:
         # Added last, so outermost: unauthenticated requests do no work and are not counted.
         app.add_middleware(BearerAuthMiddleware, api_key=settings.api_key.get_secret_value())
+    # Outermost of all: refused on the headers alone, before auth and counting.
+    app.state.drain = Drain()  # begun by the server on SIGTERM (service/http_server.py)
+    # The engine core drains with the server, and cancels what is left a little before the server
+    # gives up on open responses: those streams then end with a final event, not a cut connection.
+    engine_deadline = max(0.0, settings.drain_seconds - min(1.0, settings.drain_seconds / 4))
+    app.state.drain.on_begin(lambda: state.client.close(timeout=engine_deadline))
+    app.add_middleware(DrainMiddleware, drain=app.state.drain, retry_after_seconds=settings.retry_after_seconds)
+    if settings.allowed_hosts is not None:
+        app.add_middleware(HostAllowListMiddleware, allowed_hosts=settings.allowed_hosts)
+    app.add_middleware(FramingMiddleware)
     return app

@@ -16,15 +16,17 @@ OPEN_PATHS = frozenset({"/health", "/metrics"})
 class BearerAuthMiddleware:
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.expected = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
             await self.app(scope, receive, send)
             return
-        given = Headers(scope=scope).get("authorization", "").encode()
+        # RFC 9110 §11.1: the scheme name is case-insensitive ("bearer" is "Bearer").
+        scheme, _, token = Headers(scope=scope).get("authorization", "").partition(" ")
         # Constant-time comparison: the key must not leak through response timing.
-        if not hmac.compare_digest(given, self.expected):
+        valid = hmac.compare_digest(token.strip().encode(), self.expected)
+        if not (valid and scheme.lower() == "bearer"):
             response = error_response(
                 401, "authentication", "missing or wrong bearer token (header `Authorization: Bearer <api_key>`)",
                 {"WWW-Authenticate": "Bearer"},

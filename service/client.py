@@ -118,17 +118,24 @@ class EngineClient:
     def running(self) -> bool:
         return self._reader is not None and not self._dead
 
-    async def stop(self, timeout: float | None = None, drain: bool = True) -> None:
-        """Take no new work; let running requests finish (cancelled after `timeout` seconds)."""
-        self._closed = True
-        if self._process is None:
+    def close(self, timeout: float | None = None, drain: bool = True) -> None:
+        """Take no new work; the core lets running requests finish and cancels what is left after
+        `timeout` seconds, so their streams still end with a final event. Only the first call counts."""
+        if self._closed:
             return
+        self._closed = True
         if self.running:
             self._send(Shutdown(drain=drain, timeout=timeout))
-            if self._reader is not None:
-                # The reader ends on the core's CoreExit, after delivering its last results.
-                grace = None if timeout is None else timeout + 10.0
-                await asyncio.wait({self._reader}, timeout=grace)
+
+    async def stop(self, timeout: float | None = None, drain: bool = True) -> None:
+        """close(), then wait for the core's last results and its exit."""
+        self.close(timeout, drain)
+        if self._process is None:
+            return
+        if self.running and self._reader is not None:
+            # The reader ends on the core's CoreExit, after delivering its last results.
+            grace = None if timeout is None else timeout + 10.0
+            await asyncio.wait({self._reader}, timeout=grace)
         await self._kill()
 
     async def _kill(self) -> None:

@@ -66,7 +66,12 @@ async def generate_stream(body: TGIRequest, request: Request) -> Response:
     )
 
 
-@router.post("/", responses=ERRORS, summary="TGI's compatibility route: /generate or, with stream=true, /generate_stream")
+@router.post(
+    "/",
+    # With stream=true the answer is /generate_stream's event stream: documented, as clients see it.
+    responses={200: {"content": {"text/event-stream": {}}}, **ERRORS},
+    summary="TGI's compatibility route: /generate or, with stream=true, /generate_stream",
+)
 async def compat_generate(body: TGIRequest, request: Request) -> Response:
     if body.stream:
         return await generate_stream(body, request)
@@ -107,7 +112,7 @@ def tgi_output(prompt: Prompt, result: FinishedRequest, p: TGIParameters, tokeni
         out = {"generated_text": generated_text(prompt, seq, p)}
         if p.details:
             out["details"] = {
-                "finish_reason": seq.finish_reason,
+                "finish_reason": tgi_finish_reason(seq.finish_reason),
                 "generated_tokens": len(seq.token_ids),
                 "seed": result.seed,
                 "prefill": prefill,
@@ -185,12 +190,18 @@ def stream_token(token_id: int, text: str, logprob: float, index: int, tokenizer
     return {"index": index, "token": token, "generated_text": None, "details": None}
 
 
+def tgi_finish_reason(reason: str) -> str:
+    # TGI has no reason for an answer the server cut short (a drain's deadline): like OpenAI's
+    # "length", it says the text stopped before the model chose to.
+    return "length" if reason == "cancelled" else reason
+
+
 def stream_end(result: FinishedRequest, prompt: Prompt, p: TGIParameters) -> dict:
     seq = result.sequences[0]
     end = {"generated_text": generated_text(prompt, seq, p), "details": None}
     if p.details:
         end["details"] = {
-            "finish_reason": seq.finish_reason,
+            "finish_reason": tgi_finish_reason(seq.finish_reason),
             "generated_tokens": len(seq.token_ids),
             "input_length": result.prompt_tokens,
             "seed": result.seed,

@@ -6,9 +6,9 @@ prompt's token count are checked at admission (service/admission.py), where both
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 # Static ceilings: generous, only there so no field is unbounded. The configured limits
 # (Settings) are tighter and checked at admission.
@@ -17,15 +17,47 @@ MAX_LIST = 1024
 MAX_TOKEN_ID = 2**31 - 1
 MAX_SEED = 2**64 - 1
 MAX_STOP_CHARS = 4096
+# The smallest sampling temperature: logits / T must stay finite in float32 (1e-50 is 0 there,
+# and 1e-40 still turns every logit into ±inf, so softmax gives NaN). Anything this small
+# already samples the most likely token; greedy decoding says so directly.
+MIN_TEMPERATURE = 1e-6
 
 
-class _Unsupported(BaseModel):
-    """Unknown keys are tolerated when null (clients send every key they know), refused otherwise."""
+def _valid_unicode(text: str) -> str:
+    """JSON may carry a lone surrogate ("\ud800"): a str to Python, not text to the tokenizer."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(
+            f"text is not valid Unicode: lone surrogate U+{ord(text[exc.start]):04X} at character {exc.start}"
+        ) from None
+    return text
 
-    model_config = ConfigDict(extra="allow")
+
+# Every text a request carries (prompts, stop strings, texts to analyse) is this type.
+Text = Annotated[str, AfterValidator(_valid_unicode)]
+
+
+def check_temperature(value: float | None, greedy_zero: bool) -> float | None:
+    if value is None or (greedy_zero and value == 0.0):
+        return value
+    if value < MIN_TEMPERATURE:
+        greedy = "0 for greedy decoding" if greedy_zero else "do_sample=false for greedy decoding"
+        raise ValueError(f"temperature must be at least {MIN_TEMPERATURE:g} (smaller underflows; use {greedy})")
+    return value
+
+
+class StrictRequest(BaseModel):
+    """Request bodies: JSON types exactly as declared ("3" and true are not the integer 3 or 1).
+
+    One rule for keys this server does not know, at every level: tolerated when null (clients
+    send every key they know), refused otherwise, naming them.
+    """
+
+    model_config = ConfigDict(extra="allow", strict=True)
 
     @model_validator(mode="after")
-    def _refuse_unknown(self) -> "_Unsupported":
+    def _refuse_unknown(self) -> "StrictRequest":
         unknown = sorted(k for k, v in (self.model_extra or {}).items() if v is not None)
         if unknown:
             raise ValueError(f"unsupported parameter(s): {', '.join(unknown)}")
@@ -53,7 +85,7 @@ def check_prompts(field: str, prompts: list[str] | list[list[int]]) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-class TGIParameters(_Unsupported):
+class TGIParameters(StrictRequest):
     best_of: int | None = Field(None, ge=1, le=64, description="sample this many, return the most likely")
     decoder_input_details: bool = Field(False, description="return the prompt tokens with their logprobs")
     details: bool = Field(False, description="return tokens, logprobs and the finish reason")
@@ -62,7 +94,7 @@ class TGIParameters(_Unsupported):
     repetition_penalty: float | None = Field(None, gt=0.0, le=100.0)
     return_full_text: bool | None = Field(None, description="prepend the prompt to generated_text")
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
-    stop: list[str] = Field(default_factory=list, max_length=64)
+    stop: list[Text] = Field(default_factory=list, max_length=64)
     temperature: float | None = Field(None, gt=0.0, le=100.0)
     top_k: int | None = Field(None, gt=0, le=1_000_000)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
@@ -83,6 +115,7 @@ class TGIParameters(_Unsupported):
 
     @model_validator(mode="after")
     def _consistent(self) -> "TGIParameters":
+        check_temperature(self.temperature, greedy_zero=False)
         for name, neutral in (("typical_p", (None, 1.0)), ("top_n_tokens", (None, 0)),
                               ("watermark", (False,)), ("frequency_penalty", (None, 0.0)),
                               ("grammar", (None,)), ("adapter_id", (None,))):
@@ -121,8 +154,8 @@ class TGIParameters(_Unsupported):
         )
 
 
-class TGIRequest(BaseModel):
-    inputs: str | list[str] = Field(
+class TGIRequest(StrictRequest):
+    inputs: Text | list[Text] = Field(
         ..., description="a prompt, or a list of prompts generated together and answered as a list"
     )
     parameters: TGIParameters = Field(default_factory=TGIParameters)
@@ -196,13 +229,13 @@ class StreamResponse(BaseModel):
 # ---------------------------------------------------------------------------------------------
 
 
-class StreamOptions(BaseModel):
+class StreamOptions(StrictRequest):
     include_usage: bool = False
 
 
-class CompletionRequest(_Unsupported):
+class CompletionRequest(StrictRequest):
     model: str = Field(..., max_length=200)
-    prompt: str | list[str] | list[int] | list[list[int]] = Field(..., description="text(s) or token ids")
+    prompt: Text | list[Text] | list[int] | list[list[int]] = Field(..., description="text(s) or token ids")
     max_tokens: int | None = Field(16, ge=1, le=1_000_000)
     temperature: float = Field(1.0, ge=0.0, le=2.0, description="0: greedy")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
@@ -212,7 +245,7 @@ class CompletionRequest(_Unsupported):
     stream_options: StreamOptions | None = None
     logprobs: int | None = Field(None, ge=0, le=5)
     echo: bool = False
-    stop: str | list[str] | None = None
+    stop: Text | list[Text] | None = None
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
@@ -226,6 +259,7 @@ class CompletionRequest(_Unsupported):
 
     @model_validator(mode="after")
     def _consistent(self) -> "CompletionRequest":
+        check_temperature(self.temperature, greedy_zero=True)
         if self.logprobs:
             raise ValueError("logprobs > 0 (top alternatives) is not supported; logprobs=0 gives the chosen tokens'")
         if self.presence_penalty or self.frequency_penalty:
@@ -307,8 +341,8 @@ class ModelList(BaseModel):
 # ---------------------------------------------------------------------------------------------
 
 
-class TokenizeRequest(BaseModel):
-    inputs: str = Field(..., min_length=1, max_length=MAX_TEXT_CHARS)
+class TokenizeRequest(StrictRequest):
+    inputs: Text = Field(..., min_length=1, max_length=MAX_TEXT_CHARS)
     parameters: dict[str, Any] | None = Field(None, description="accepted for TGI compatibility, ignored")
 
 

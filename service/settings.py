@@ -44,6 +44,14 @@ class Settings(BaseSettings):
     api_key: SecretStr | None = Field(None, description="if set, bearer token required on all but /health, /metrics")
     drain_seconds: float = Field(30.0, ge=0, description="on SIGTERM, how long in-flight requests may finish")
     retry_after_seconds: int = Field(1, ge=0, le=3600, description="Retry-After sent with 429")
+    # Against idle, slow and flooding clients (service/http_server.py).
+    max_connections: int = Field(1000, ge=1, description="open connections; one more closes the oldest idle one")
+    keep_alive_seconds: int = Field(5, ge=1, le=3600, description="an idle kept-alive connection is closed after this")
+    header_timeout_seconds: float = Field(10.0, gt=0, le=3600, description="a request's headers must arrive within this")
+    body_timeout_seconds: float = Field(30.0, gt=0, le=3600, description="a request's body must arrive within this")
+    allowed_hosts: str | None = Field(
+        None, description="Host names served, comma-separated, '*' for any; default: loopback names when bound to loopback"
+    )
 
     # --- /analyze/spectrum --------------------------------------------------------------------
     analysis_max_texts: int = Field(8, ge=1, le=256, description="texts per analysis request")

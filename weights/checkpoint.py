@@ -196,6 +196,9 @@ def load_config(model_dir: Path) -> GPT2Config:
         return GPT2Config.from_json(path)
     except (ValueError, TypeError) as exc:
         raise CheckpointError(str(exc)) from exc
+    except RecursionError:
+        # json nests one Python call per level: a hostile file 10^5 levels deep exhausts the stack.
+        raise CheckpointError(f"{path}: nested too deeply to be a config") from None
 
 
 def _expected_shapes(config: GPT2Config, model_class: type[nn.Module] = GPT2) -> dict[str, tuple[int, ...]]:

@@ -24,19 +24,28 @@ class GPT2Tokenizer:
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "GPT2Tokenizer":
         model_dir = Path(model_dir)
-        if (model_dir / "tokenizer.json").exists():
-            return cls(Tokenizer.from_file(str(model_dir / "tokenizer.json")))
+        path = model_dir / "tokenizer.json"
+        if path.exists():
+            try:
+                tokenizer = Tokenizer.from_file(str(path))
+            except Exception as exc:  # tokenizers raises a bare Exception for any unreadable file
+                raise ValueError(f"{path}: not a valid tokenizer.json ({exc})") from None
+            return cls(tokenizer)
         vocab, merges = model_dir / "vocab.json", model_dir / "merges.txt"
         if vocab.exists() and merges.exists():
             return cls(build_tokenizer(vocab, merges))
         raise FileNotFoundError(f"{model_dir}: no tokenizer.json, nor vocab.json with merges.txt")
 
+    # Through encode_batch even for one text: `tokenizers` releases the GIL there and not in
+    # encode, which holds it for the whole text (~0.9 s for 1 MB), freezing every other thread
+    # (the server's event loop included) however the call is scheduled.
+
     def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
+        return self.encode_batch([text])[0]
 
     def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
         """Token ids and each token's (start, end) character span in `text`."""
-        encoding = self._tok.encode(text, add_special_tokens=False)
+        (encoding,) = self._tok.encode_batch([text], add_special_tokens=False)
         return encoding.ids, encoding.offsets
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:

@@ -27,6 +27,7 @@ from service.analysis.figure import SVG_MEDIA_TYPE, FigureUnavailable, check_ava
 from service.analysis.report import Subject, check_request, combined, encode, reports
 from service.analysis.startup import compare_subject
 from service.errors import overloaded_error, validation_error
+from service.schemas import Text
 from service.state import service_state
 
 router = APIRouter(tags=["Analysis"])
@@ -42,9 +43,9 @@ RESPONSES = {200: {"content": {SVG_MEDIA_TYPE: {}}, "description": "the report (
 
 
 class SpectrumRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
-    texts: list[str] | None = Field(None, min_length=1, description="texts to analyse, each on its own")
+    texts: list[Text] | None = Field(None, min_length=1, description="texts to analyse, each on its own")
     token_ids: list[list[int]] | None = Field(None, min_length=1, description="or token id sequences")
     method: Method = Field("fast", description="exact: LAPACK svdvals; fast: block Krylov, 1e-4 relative")
     layers: list[int] | None = Field(None, description="layers whose attention to measure; default all")
@@ -63,7 +64,7 @@ class SpectrumRequest(BaseModel):
 @router.get(ENDPOINT, responses=RESPONSES, summary="Spectral norms of the attention matrices for texts")
 async def spectrum_get(
     request: Request,
-    text: list[str] = Query(..., description="a text to analyse; repeat for several"),
+    text: list[Text] = Query(..., description="a text to analyse; repeat for several"),
     method: Method = Query("fast"),
     layers: list[str] | None = Query(None, description="layer indices, repeated or comma-separated"),
     format: Format = Query("json"),

@@ -166,3 +166,22 @@ def test_grafana_provisioning_wires_the_datasource_and_the_dashboard():
 def test_third_party_images_are_pinned(name):
     image = service(name)["image"]
     assert ":" in image and not image.endswith(":latest")
+
+
+def published_addresses(name: str) -> list[str]:
+    """The host address of each published port, with `${VAR:-default}` at its default."""
+    ports = [re.sub(r"\$\{\w+:-([^}]*)\}", r"\1", str(p)) for p in service(name).get("ports", [])]
+    return [p.rsplit(":", 2)[0] if p.count(":") == 2 else "0.0.0.0" for p in ports]
+
+
+@pytest.mark.parametrize("name", ["lb", "prometheus", "grafana"])
+def test_nothing_is_published_beyond_loopback_by_default(name):
+    # A keyless API or an admin UI on every interface is open to the whole network.
+    assert published_addresses(name) and all(a == "127.0.0.1" for a in published_addresses(name))
+
+
+def test_grafana_has_no_default_password_nor_anonymous_viewers():
+    environment = service("grafana")["environment"]
+    # ${VAR:?message}: compose refuses to start without it, rather than fall back to admin/admin.
+    assert re.fullmatch(r"\$\{GRAFANA_ADMIN_PASSWORD:\?[^}]+\}", environment["GF_SECURITY_ADMIN_PASSWORD"])
+    assert environment.get("GF_AUTH_ANONYMOUS_ENABLED", "false") == "false"

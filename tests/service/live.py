@@ -4,9 +4,11 @@ stopped, and helpers to read its state over HTTP."""
 from __future__ import annotations
 
 import ipaddress
+import resource
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -26,6 +28,15 @@ class LiveServer:
         self.process = process
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
+        # Read the log as it comes: a server that logs more than a pipe holds would block on it.
+        self.lines: list[str] = []
+        self.reader = threading.Thread(target=lambda: self.lines.extend(process.stdout), daemon=True)
+        self.reader.start()
+
+    def log(self, wait_for_exit: bool = False) -> str:
+        if wait_for_exit:
+            self.reader.join(timeout=WAIT_S)
+        return "".join(self.lines)
 
     def get(self, path: str) -> httpx.Response:
         return httpx.get(self.url + path, timeout=30)
@@ -42,13 +53,16 @@ class LiveServer:
 
 
 @contextmanager
-def live_server(model_dir: Path, **flags) -> Iterator[LiveServer]:
+def live_server(model_dir: Path, open_files: int | None = None, **flags) -> Iterator[LiveServer]:
+    """`open_files`: the server's file-descriptor limit (RLIMIT_NOFILE), to reach it with few connections."""
     port = free_port()
     command = [sys.executable, "-m", "service", "--model-dir", str(model_dir), "--port", str(port), "--threads", "1"]
     for name, value in flags.items():
         command += ["--" + name.replace("_", "-"), str(value)]
+    limit = None if open_files is None else (lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (open_files, open_files)))
     process = subprocess.Popen(
-        command, cwd=REPO, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        command, cwd=REPO, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        preexec_fn=limit,
     )
     server = LiveServer(process, port)
     try:
@@ -62,7 +76,7 @@ def live_server(model_dir: Path, **flags) -> Iterator[LiveServer]:
 
 def _healthy(server: LiveServer) -> bool:
     if server.process.poll() is not None:
-        raise AssertionError(f"server exited early:\n{server.process.stdout.read()[-3000:]}")
+        raise AssertionError(f"server exited early:\n{server.log(wait_for_exit=True)[-3000:]}")
     try:
         return server.get("/health").status_code == 200
     except httpx.TransportError:

@@ -144,6 +144,11 @@ def test_bearer_auth(tiny_model_dir):
         assert locked.post("/generate", json=body, headers={"Authorization": "Bearer wrong"}).status_code == 401
         assert locked.get("/info").status_code == 401
         assert locked.post("/generate", json=body, headers={"Authorization": "Bearer s3cret"}).status_code == 200
+        # RFC 9110 §11.1: the scheme is case-insensitive; the token is not.
+        for scheme in ("bearer", "BEARER"):
+            assert locked.post("/generate", json=body, headers={"Authorization": f"{scheme} s3cret"}).status_code == 200
+        assert locked.post("/generate", json=body, headers={"Authorization": "Bearer S3CRET"}).status_code == 401
+        assert locked.post("/generate", json=body, headers={"Authorization": "Basic s3cret"}).status_code == 401
         assert locked.get("/health").status_code == 200
         assert locked.get("/metrics").status_code == 200
 

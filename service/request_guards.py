@@ -1,0 +1,75 @@
+"""Requests refused on their headers alone, before auth, routing or any work, in the service's
+error shape: ambiguous message framing (request smuggling) and unexpected Host names (DNS
+rebinding).
+
+Starlette's TrustedHostMiddleware does the host check but answers in plain text and drops the
+port with `split(":")`, which cuts IPv6 literals ("[::1]:8000"); hence this small version.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from service.errors import error_response
+
+# Names a browser on this machine uses for a server bound to loopback.
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "[::1]")
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def default_allowed_hosts(bind_host: str) -> str | None:
+    """Bound to loopback, only loopback names: a page on another site whose name the attacker
+    re-points to 127.0.0.1 (DNS rebinding) sends its own name as Host and is refused."""
+    return ",".join(LOOPBACK_HOSTS) if is_loopback(bind_host) else None
+
+
+def host_name(header: str) -> str:
+    """The Host header without its port; IPv6 literals keep their brackets."""
+    if header.startswith("["):
+        return header[: header.find("]") + 1]
+    return header.rsplit(":", 1)[0] if header.count(":") == 1 else header
+
+
+class FramingMiddleware:
+    """RFC 9112 §6.3: a request with both Content-Length and Transfer-Encoding may be read
+    differently by a proxy in front and by this server (request smuggling); answer 400 and close
+    the connection (uvicorn closes it after a response that says `Connection: close`)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            headers = Headers(scope=scope)
+            if "content-length" in headers and "transfer-encoding" in headers:
+                message = "a request must not carry both Content-Length and Transfer-Encoding (RFC 9112 §6.3)"
+                response = error_response(400, "validation", message, {"Connection": "close"})
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class HostAllowListMiddleware:
+    def __init__(self, app: ASGIApp, allowed_hosts: str) -> None:
+        self.app = app
+        self.allowed = frozenset(h.strip().lower() for h in allowed_hosts.split(",") if h.strip())
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and "*" not in self.allowed:
+            given = host_name(Headers(scope=scope).get("host", "")).lower()
+            if given not in self.allowed:
+                message = f"Host {given!r} is not served here; allowed: {', '.join(sorted(self.allowed))}"
+                await error_response(400, "validation", message)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
