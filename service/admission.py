@@ -126,6 +126,7 @@ def tgi_sampling(p: TGIParameters, limits: Limits) -> SamplingParams:
         # best_of runs as n sampled sequences of one request; the route keeps the best.
         num_return_sequences=max(p.num_return_sequences, p.best_of or 1),
         prompt_logprobs=p.decoder_input_details,
+        top_logprobs=alternatives(p.top_n_tokens or 0, p.num_beams),
     )
 
 
@@ -137,7 +138,7 @@ def openai_sampling(req: CompletionRequest, limits: Limits) -> SamplingParams:
     check_count("top_k", req.top_k, limits.vocab_size)
     greedy = req.temperature == 0.0
     return SamplingParams(
-        max_new_tokens=req.max_tokens or limits.default_max_new_tokens,
+        max_new_tokens=openai_max_new_tokens(req, limits),
         do_sample=not greedy,
         temperature=1.0 if greedy else req.temperature,
         top_k=req.top_k,
@@ -149,8 +150,24 @@ def openai_sampling(req: CompletionRequest, limits: Limits) -> SamplingParams:
         # Greedy has one answer per prompt: the route submits the prompt n times (rare; keeps
         # the usage it reports equal to the tokens computed).
         num_return_sequences=1 if greedy else candidates,
-        prompt_logprobs=req.echo and req.logprobs is not None,
+        prompt_logprobs=(req.echo and req.logprobs is not None) or req.prompt_logprobs is not None,
+        # One count serves generated and prompt tokens; the route keeps what each asked for.
+        top_logprobs=alternatives(max(req.logprobs or 0, req.prompt_logprobs or 0), 1),
     )
+
+
+def openai_max_new_tokens(req: CompletionRequest, limits: Limits) -> int:
+    """max_tokens=0 (scoring only) runs as one token the response leaves out, as vLLM does: the
+    prompt's scores come from the prefill, which always picks a next token."""
+    if req.max_tokens is None:
+        return limits.default_max_new_tokens
+    return max(req.max_tokens, 1)
+
+
+def alternatives(count: int, num_beams: int) -> int:
+    if count and num_beams > 1:
+        raise validation_error("top alternatives (top_n_tokens, logprobs) are not computed for beam search")
+    return count
 
 
 def new_request_id(prefix: str) -> str:

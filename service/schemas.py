@@ -17,6 +17,7 @@ MAX_LIST = 1024
 MAX_TOKEN_ID = 2**31 - 1
 MAX_SEED = 2**64 - 1
 MAX_STOP_CHARS = 4096
+MAX_TOP_LOGPROBS = 5  # alternatives per token: OpenAI's logprobs limit, TGI's max_top_n_tokens default
 
 
 class _Unsupported(BaseModel):
@@ -67,9 +68,9 @@ class TGIParameters(_Unsupported):
     top_k: int | None = Field(None, gt=0, le=1_000_000)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     truncate: int | None = Field(None, ge=1, le=1_000_000, description="keep only the last N prompt tokens")
+    top_n_tokens: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description="alternatives per generated token")
     # Known to TGI but not computed here: accepted only at their neutral value.
     typical_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_n_tokens: int | None = Field(None, ge=0, le=64)
     watermark: bool = False
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     grammar: dict | None = None
@@ -83,8 +84,7 @@ class TGIParameters(_Unsupported):
 
     @model_validator(mode="after")
     def _consistent(self) -> "TGIParameters":
-        for name, neutral in (("typical_p", (None, 1.0)), ("top_n_tokens", (None, 0)),
-                              ("watermark", (False,)), ("frequency_penalty", (None, 0.0)),
+        for name, neutral in (("typical_p", (None, 1.0)), ("watermark", (False,)), ("frequency_penalty", (None, 0.0)),
                               ("grammar", (None,)), ("adapter_id", (None,))):
             if getattr(self, name) not in neutral:
                 raise ValueError(f"{name} is not supported by this server")
@@ -169,6 +169,7 @@ class Details(BaseModel):
     seed: int | None
     prefill: list[PrefillToken]
     tokens: list[Token]
+    top_tokens: list[list[Token]] | None = None  # top_n_tokens alternatives per generated token
     best_of_sequences: list[BestOfSequence] | None = None
 
 
@@ -187,6 +188,7 @@ class StreamDetails(BaseModel):
 class StreamResponse(BaseModel):
     index: int
     token: Token
+    top_tokens: list[Token] | None = None
     generated_text: str | None = None
     details: StreamDetails | None = None
 
@@ -203,14 +205,14 @@ class StreamOptions(BaseModel):
 class CompletionRequest(_Unsupported):
     model: str = Field(..., max_length=200)
     prompt: str | list[str] | list[int] | list[list[int]] = Field(..., description="text(s) or token ids")
-    max_tokens: int | None = Field(16, ge=1, le=1_000_000)
+    max_tokens: int | None = Field(16, ge=0, le=1_000_000, description="0 with echo: score the prompt only")
     temperature: float = Field(1.0, ge=0.0, le=2.0, description="0: greedy")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     n: int = Field(1, ge=1, le=64)
     best_of: int | None = Field(None, ge=1, le=64)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    logprobs: int | None = Field(None, ge=0, le=5)
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description="N: the N most likely alternatives too")
     echo: bool = False
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
@@ -223,11 +225,16 @@ class CompletionRequest(_Unsupported):
     top_k: int = Field(0, ge=0, le=1_000_000, description="0: off")
     repetition_penalty: float = Field(1.0, gt=0.0, le=100.0)
     ignore_eos: bool = False
+    prompt_logprobs: int | None = Field(
+        None, ge=0, le=MAX_TOP_LOGPROBS, description="vLLM's: each prompt token's logprob, rank and N alternatives"
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> "CompletionRequest":
-        if self.logprobs:
-            raise ValueError("logprobs > 0 (top alternatives) is not supported; logprobs=0 gives the chosen tokens'")
+        if self.max_tokens == 0 and not (self.echo or self.prompt_logprobs is not None):
+            raise ValueError("max_tokens=0 scores the prompt: it needs echo=true or prompt_logprobs")
+        if self.max_tokens == 0 and self.stream:
+            raise ValueError("max_tokens=0 (scoring only) is answered whole: set stream=false")
         if self.presence_penalty or self.frequency_penalty:
             raise ValueError("presence_penalty and frequency_penalty are not supported; use repetition_penalty")
         if self.logit_bias:
@@ -264,8 +271,14 @@ class CompletionRequest(_Unsupported):
 class CompletionLogprobs(BaseModel):
     tokens: list[str]
     token_logprobs: list[float | None]
-    top_logprobs: list[dict[str, float]] | None = None
+    top_logprobs: list[dict[str, float] | None] | None = None
     text_offset: list[int]
+
+
+class PromptLogprob(BaseModel):
+    logprob: float
+    rank: int
+    decoded_token: str
 
 
 class CompletionChoice(BaseModel):
@@ -273,6 +286,8 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: Literal["stop", "length"] | None
+    # vLLM's extension: per prompt token (None for the first), keyed by token id.
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
 
 
 class Usage(BaseModel):

@@ -40,6 +40,22 @@ class SamplingParams:
     early_stopping: bool | Literal["never"] = False
     num_return_sequences: int = 1
     prompt_logprobs: bool = False  # FinishedRequest.prompt_logprobs (TGI decoder_input_details)
+    # The most likely alternatives reported per generated token (and, with prompt_logprobs, per
+    # prompt token): OpenAI's logprobs=N, TGI's top_n_tokens, vLLM's prompt_logprobs=N.
+    top_logprobs: int = 0
+
+
+# A token's most likely alternatives, most likely first: (token id, log-probability).
+TopLogprobs = list[tuple[int, float]]
+
+
+@dataclass
+class PromptScores:
+    """Per prompt token, the first left as None (nothing precedes it): how the model scored it."""
+
+    logprobs: list[float | None]  # log p(token i | tokens before it)
+    ranks: list[int | None]  # 1 + how many tokens the model found more likely
+    top: list[TopLogprobs | None]  # SamplingParams.top_logprobs alternatives ([] when 0)
 
 
 @dataclass
@@ -60,6 +76,7 @@ class TokenEvent:
     text: str  # text this token releases (stop-string hold-back may delay or cut it)
     logprob: float
     time: float = 0.0  # time.monotonic() when the token was produced (inter-token latency)
+    top_logprobs: TopLogprobs | None = None  # when the request asked for alternatives
 
 
 @dataclass
@@ -70,6 +87,7 @@ class FinishedSequence:
     finish_reason: FinishReason
     score: float | None = None  # beam search: the length-penalised sequence score
     token_times: list[float] = field(default_factory=list)  # time.monotonic() per token
+    top_logprobs: list[TopLogprobs] | None = None  # per token, when the request asked for them
 
 
 @dataclass
@@ -84,6 +102,7 @@ class FinishedRequest:
     extra: dict = field(default_factory=dict)
     # One entry per prompt token: None for the first, then log p(token | tokens before it).
     prompt_logprobs: list[float | None] | None = None
+    prompt_scores: PromptScores | None = None  # the same with ranks and alternatives
 
     @property
     def generated_tokens(self) -> int:
@@ -105,7 +124,7 @@ class RequestStarted:
     request_id: str
     queue_seconds: float  # arrival → first scheduled
     seed: int | None  # the seed sampling uses (chosen by the core when the request gave none)
-    prompt_logprobs: list[float | None] | None = None
+    prompt_scores: PromptScores | None = None
 
 
 @dataclass
@@ -117,8 +136,9 @@ class RequestDone:
     beams: list[FinishedSequence] | None = None
 
 
-# (request id, sequence index, token id, log-probability, finish reason if this token ended it)
-CoreToken = tuple[str, int, int, float, FinishReason | None]
+# (request id, sequence index, token id, log-probability, finish reason if this token ended it,
+#  the token's top alternatives when its request asked for them)
+CoreToken = tuple[str, int, int, float, FinishReason | None, TopLogprobs | None]
 
 
 @dataclass
