@@ -1,5 +1,5 @@
-"""The service's routes: TGI and OpenAI generation and the spectral analysis (own modules), plus
-health, info, tokenize and metrics here."""
+"""The service's routes: TGI and OpenAI generation, the tokenizer and the spectral analysis (own
+modules), plus health, info and metrics here."""
 
 from __future__ import annotations
 
@@ -8,11 +8,10 @@ from importlib.metadata import PackageNotFoundError, version
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
-from starlette.concurrency import run_in_threadpool
 
-from service import analysis_routes, routes_openai, routes_tgi
+from service import analysis_routes, routes_openai, routes_tgi, routes_tokenizer
 from service.errors import error_response
-from service.schemas import Info, SimpleToken, TokenizeRequest
+from service.schemas import Info
 from service.state import service_state
 
 router = APIRouter(tags=["Service"])
@@ -65,13 +64,6 @@ async def info(request: Request) -> dict:
     }
 
 
-@router.post("/tokenize", response_model=list[SimpleToken], summary="Tokenize text as the model sees it (TGI schema)")
-async def tokenize(body: TokenizeRequest, request: Request) -> list[dict]:
-    tokenizer = service_state(request).tokenizer
-    ids, offsets = await run_in_threadpool(tokenizer.encode_with_offsets, body.inputs)
-    return [{"id": t, "text": body.inputs[a:b], "start": a, "stop": b} for t, (a, b) in zip(ids, offsets)]
-
-
 @router.get("/metrics", summary="Prometheus metrics", response_class=Response)
 async def metrics(request: Request) -> Response:
     return Response(service_state(request).metrics.expose(), media_type=CONTENT_TYPE_LATEST)
@@ -79,7 +71,7 @@ async def metrics(request: Request) -> Response:
 
 def include_routes(app: FastAPI) -> list[str]:
     """Mount every router; returns the route paths (the metrics' endpoint label values)."""
-    routers = [router, routes_tgi.router, routes_openai.router, analysis_routes.router]
+    routers = [router, routes_tgi.router, routes_openai.router, routes_tokenizer.router, analysis_routes.router]
     for each in routers:
         app.include_router(each)
     return [route.path for each in routers for route in each.routes]
