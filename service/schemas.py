@@ -10,6 +10,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from service.engine.slot_controls import MAX_BAD_WORDS
+
 # Static ceilings: generous, only there so no field is unbounded. The configured limits
 # (Settings) are tighter and checked at admission.
 MAX_TEXT_CHARS = 1_000_000
@@ -17,6 +19,7 @@ MAX_LIST = 1024
 MAX_TOKEN_ID = 2**31 - 1
 MAX_SEED = 2**64 - 1
 MAX_STOP_CHARS = 4096
+MAX_NGRAM = 32  # no_repeat_ngram_size
 MAX_TOP_LOGPROBS = 5  # alternatives per token: OpenAI's logprobs limit, TGI's max_top_n_tokens default
 
 
@@ -69,8 +72,8 @@ class TGIParameters(_Unsupported):
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     truncate: int | None = Field(None, ge=1, le=1_000_000, description="keep only the last N prompt tokens")
     top_n_tokens: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description="alternatives per generated token")
+    typical_p: float | None = Field(None, gt=0.0, le=1.0, description="locally typical sampling (transformers')")
     # Known to TGI but not computed here: accepted only at their neutral value.
-    typical_p: float | None = Field(None, gt=0.0, le=1.0)
     watermark: bool = False
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     grammar: dict | None = None
@@ -81,10 +84,15 @@ class TGIParameters(_Unsupported):
     early_stopping: bool | Literal["never"] = False
     num_return_sequences: int = Field(1, ge=1, le=64)
     ignore_eos: bool = False
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    min_new_tokens: int | None = Field(None, ge=0, le=1_000_000)
+    stop_token_ids: list[int] | None = Field(None, max_length=64)
+    no_repeat_ngram_size: int | None = Field(None, ge=0, le=MAX_NGRAM)
+    bad_words_ids: list[list[int]] | None = Field(None, max_length=MAX_BAD_WORDS)
 
     @model_validator(mode="after")
     def _consistent(self) -> "TGIParameters":
-        for name, neutral in (("typical_p", (None, 1.0)), ("watermark", (False,)), ("frequency_penalty", (None, 0.0)),
+        for name, neutral in (("watermark", (False,)), ("frequency_penalty", (None, 0.0)),
                               ("grammar", (None,)), ("adapter_id", (None,))):
             if getattr(self, name) not in neutral:
                 raise ValueError(f"{name} is not supported by this server")
@@ -118,6 +126,8 @@ class TGIParameters(_Unsupported):
             or (self.temperature is not None and self.temperature != 1.0)
             or (self.top_k is not None)
             or (self.top_p is not None and self.top_p < 1.0)
+            or (self.typical_p is not None and self.typical_p < 1.0)
+            or bool(self.min_p)
         )
 
 
@@ -218,7 +228,7 @@ class CompletionRequest(_Unsupported):
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = Field(None, max_length=MAX_LIST, description="token id → -100..100")
     suffix: str | None = Field(None, max_length=MAX_TEXT_CHARS)
     user: str | None = Field(None, max_length=1000)
     # Extensions (as vLLM names them), with transformers' meanings.
@@ -228,6 +238,12 @@ class CompletionRequest(_Unsupported):
     prompt_logprobs: int | None = Field(
         None, ge=0, le=MAX_TOP_LOGPROBS, description="vLLM's: each prompt token's logprob, rank and N alternatives"
     )
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    typical_p: float = Field(1.0, gt=0.0, le=1.0)
+    min_tokens: int = Field(0, ge=0, le=1_000_000, description="vLLM's name for min_new_tokens")
+    stop_token_ids: list[int] | None = Field(None, max_length=64)
+    no_repeat_ngram_size: int = Field(0, ge=0, le=MAX_NGRAM)
+    bad_words_ids: list[list[int]] | None = Field(None, max_length=MAX_BAD_WORDS)
 
     @model_validator(mode="after")
     def _consistent(self) -> "CompletionRequest":
@@ -235,10 +251,8 @@ class CompletionRequest(_Unsupported):
             raise ValueError("max_tokens=0 scores the prompt: it needs echo=true or prompt_logprobs")
         if self.max_tokens == 0 and self.stream:
             raise ValueError("max_tokens=0 (scoring only) is answered whole: set stream=false")
-        if self.presence_penalty or self.frequency_penalty:
-            raise ValueError("presence_penalty and frequency_penalty are not supported; use repetition_penalty")
-        if self.logit_bias:
-            raise ValueError("logit_bias is not supported")
+        if self.logit_bias and any(not -100.0 <= v <= 100.0 for v in self.logit_bias.values()):
+            raise ValueError("logit_bias values must be between -100 and 100")
         if self.suffix:
             raise ValueError("suffix is not supported: GPT-2 cannot fill in the middle")
         stops = self.stop_list

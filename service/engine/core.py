@@ -29,6 +29,7 @@ from model.scoring import score_tokens, top_alternatives
 from service.engine.beams import advance_beams, beam_results, start_beam_search
 from service.engine.graphs import StaticDecode
 from service.engine.scheduler import RequestState, Scheduler, Sequence, StepPlan
+from service.engine.slot_controls import SlotControls
 from service.engine.slot_params import SlotParams
 from service.engine.types import (
     CoreStep,
@@ -109,6 +110,7 @@ class EngineCore:
         max_len = config.max_len or model.config.n_positions
         self.cache = KVCache(model.config, config.max_slots, max_len, self.device, model.dtype)
         self.slot_params = SlotParams(config.max_slots, model.config.vocab_size, self.device)
+        self.slot_controls = SlotControls(config.max_slots, model.config.vocab_size, max_len, eos_token_id, self.device)
         self.scheduler = Scheduler(self.cache, config.max_waiting, config.max_prefill_tokens, self._start)
         self.static_decode = StaticDecode(self.model, self.cache) if config.static_decode else None
         if self.static_decode is not None and self.device.type == "cuda":
@@ -192,6 +194,7 @@ class EngineCore:
             if state.beam is None:
                 seed = (state.seed + index * SEED_STRIDE) % SEED_MODULUS if params.do_sample else 0
                 self.slot_params.write(slot, params, prompt, seed)
+                self.slot_controls.write(slot, params, prompt)
             sequences.append(Sequence(index, slot, list(prompt), len(prompt)))
         return sequences
 
@@ -199,6 +202,7 @@ class EngineCore:
         if length:
             self.cache.copy_slots([src], [dst], length)
         self.slot_params.move(src, dst)
+        self.slot_controls.move(src, dst)
 
     # --- run: forwards and sampling -------------------------------------------------------------
     def _layout(self, plan: StepPlan) -> StepRows:
@@ -300,12 +304,15 @@ class EngineCore:
         if not rows.sampled:
             return []
         slots = rows.sample_slots
-        params = self.slot_params.gather(slots, [state.params for state, _ in rows.sampled])
+        requested = [state.params for state, _ in rows.sampled]
+        params = self.slot_params.gather(slots, requested)
+        params.controls = self.slot_controls.gather(slots, rows.sample_counters, requested)
         seen = self.slot_params.seen(slots) if params.any_penalty else None
         step_logits = logits[rows.sample_rows]  # [B, V]
         tokens, logprobs = choose_tokens(step_logits, params, rows.sample_counters, seen)  # [B], [B]
         if params.any_penalty:
             self.slot_params.mark_seen(slots, tokens)
+        self.slot_controls.record(params.controls, slots, rows.sample_counters, tokens)
         columns = [tokens[:, None].double(), logprobs[:, None].double()]
         # Alternatives: as many as the most demanding row asked for; each row keeps its own count.
         n = max(state.params.top_logprobs for state, _ in rows.sampled)
@@ -325,7 +332,7 @@ class EngineCore:
         state, seq, token = sampled.state, sampled.seq, sampled.token
         seq.token_ids.append(token)
         params = state.params
-        if token == self.eos_token_id and not params.ignore_eos:
+        if (token == self.eos_token_id and not params.ignore_eos) or token in params.stop_token_ids:
             reason = "eos_token"
         elif len(seq.token_ids) - seq.prompt_length >= params.max_new_tokens:
             reason = "length"

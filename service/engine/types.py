@@ -43,6 +43,17 @@ class SamplingParams:
     # The most likely alternatives reported per generated token (and, with prompt_logprobs, per
     # prompt token): OpenAI's logprobs=N, TGI's top_n_tokens, vLLM's prompt_logprobs=N.
     top_logprobs: int = 0
+    # Decoding controls (model/logits_processors.py): transformers' meaning where it has them,
+    # vLLM's for presence/frequency penalties.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
+    min_p: float = 0.0  # 0: off
+    typical_p: float = 1.0  # 1.0: off
+    min_new_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()  # end the sequence as EOS does
+    no_repeat_ngram_size: int = 0  # 0: off
+    bad_words_ids: tuple[tuple[int, ...], ...] = ()
 
 
 # A token's most likely alternatives, most likely first: (token id, log-probability).
