@@ -11,6 +11,7 @@ import sys
 import uvicorn
 from pydantic import ValidationError
 
+from service.logs import log_config
 from service.settings import Settings
 from weights.checkpoint import CheckpointError
 
@@ -41,7 +42,10 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"cannot start: {exc}")
     # On SIGTERM uvicorn stops accepting, lets open responses finish for up to drain_seconds,
     # then runs the app's shutdown, which drains the engine loop.
-    uvicorn.run(app, host=settings.host, port=settings.port, timeout_graceful_shutdown=settings.drain_seconds)
+    uvicorn.run(
+        app, host=settings.host, port=settings.port, timeout_graceful_shutdown=settings.drain_seconds,
+        log_config=log_config(settings.log_format),
+    )
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from contextlib import asynccontextmanager
 
 import torch
 from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
 
 from model.analysis import cached_weight_spectra
 
@@ -26,6 +27,7 @@ from service.engine.process import CoreProcessConfig
 from service.errors import install_error_handlers
 from service.generation import Generations
 from service.metrics import RequestMetricsMiddleware
+from service.request_context import HEADER, RequestIdMiddleware
 from service.settings import Settings
 from service.state import ServiceState
 from weights.checkpoint import load_model
@@ -111,4 +113,11 @@ def create_app(settings: Settings) -> FastAPI:
     if settings.api_key is not None:
         # Added last, so outermost: unauthenticated requests do no work and are not counted.
         app.add_middleware(BearerAuthMiddleware, api_key=settings.api_key.get_secret_value())
+    if settings.cors_origin_list:
+        # Outside authentication: a browser's preflight (OPTIONS) carries no credentials.
+        app.add_middleware(
+            CORSMiddleware, allow_origins=settings.cors_origin_list, allow_methods=["GET", "POST"],
+            allow_headers=["*"], expose_headers=[HEADER],
+        )
+    app.add_middleware(RequestIdMiddleware)  # outermost: every answer carries the id
     return app

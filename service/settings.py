@@ -44,6 +44,10 @@ class Settings(BaseSettings):
     api_key: SecretStr | None = Field(None, description="if set, bearer token required on all but /health, /metrics")
     drain_seconds: float = Field(30.0, ge=0, description="on SIGTERM, how long in-flight requests may finish")
     retry_after_seconds: int = Field(1, ge=0, le=3600, description="Retry-After sent with 429")
+    cors_origins: str = Field(
+        "", max_length=4000, description="comma-separated origins browsers may call from ('*': any); empty: CORS off"
+    )
+    log_format: Literal["text", "json"] = Field("text", description="json: one JSON object per log line")
 
     # --- /analyze/spectrum --------------------------------------------------------------------
     analysis_max_texts: int = Field(8, ge=1, le=256, description="texts per analysis request")
@@ -57,6 +61,10 @@ class Settings(BaseSettings):
                 f"default_max_new_tokens ({self.default_max_new_tokens}) exceeds max_new_tokens ({self.max_new_tokens})"
             )
         return self
+
+    @property
+    def cors_origin_list(self) -> list[str]:
+        return [o.strip() for o in self.cors_origins.split(",") if o.strip()]
 
     @property
     def torch_dtype(self) -> torch.dtype:
