@@ -9,7 +9,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from service import analysis_routes, routes_openai, routes_tgi, routes_tokenizer
+from service import analysis_routes, routes_inspect, routes_openai, routes_tgi, routes_tokenizer
 from service.errors import error_response
 from service.schemas import Info
 from service.state import service_state
@@ -71,7 +71,8 @@ async def metrics(request: Request) -> Response:
 
 def include_routes(app: FastAPI) -> list[str]:
     """Mount every router; returns the route paths (the metrics' endpoint label values)."""
-    routers = [router, routes_tgi.router, routes_openai.router, routes_tokenizer.router, analysis_routes.router]
+    routers = [router, routes_tgi.router, routes_openai.router, routes_tokenizer.router, analysis_routes.router,
+               routes_inspect.router]
     for each in routers:
         app.include_router(each)
     return [route.path for each in routers for route in each.routes]

@@ -53,6 +53,7 @@ class Settings(BaseSettings):
     analysis_max_texts: int = Field(8, ge=1, le=256, description="texts per analysis request")
     analysis_max_tokens: int = Field(512, ge=1, description="tokens per analysed text")
     analysis_max_concurrent: int = Field(1, ge=1, le=64, description="analyses running at once; more get 429")
+    inspect_max_tokens: int = Field(64, ge=1, le=1024, description="tokens per /analyze/attention or /analyze/logit-lens text")
 
     @model_validator(mode="after")
     def _consistent(self) -> "Settings":

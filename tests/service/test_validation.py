@@ -166,7 +166,8 @@ def test_openapi_documents_every_route(client):
     assert client.get("/docs").status_code == 200
     paths = client.get("/openapi.json").json()["paths"]
     for path in ("/generate", "/generate_stream", "/", "/v1/completions", "/v1/models", "/health", "/info",
-                 "/tokenize", "/metrics", "/analyze/spectrum"):
+                 "/tokenize", "/detokenize", "/tokenizer_info", "/metrics", "/analyze/spectrum",
+                 "/analyze/attention", "/analyze/logit-lens"):
         assert path in paths, path
     # The bounds are documented, not only enforced.
     top_p = client.get("/openapi.json").json()["components"]["schemas"]["TGIParameters"]["properties"]["top_p"]
