@@ -65,8 +65,10 @@ class SlotControls:
             [p.presence_penalty, p.frequency_penalty, p.min_p, p.typical_p], device=self.device
         )
         self._ints[slot] = torch.tensor([len(prompt_ids), p.min_new_tokens, p.no_repeat_ngram_size], device=self.device)
+        # Bias and bad words are gathered for every row of a batch where any row uses them, so a
+        # slot's previous request must leave nothing behind: reset whether this one uses them or not.
+        self._bias[slot] = 0.0
         if uses_bias(p):
-            self._bias[slot] = 0.0
             ids, values = zip(*p.logit_bias)
             self._bias[slot, torch.tensor(ids, device=self.device)] = torch.tensor(values, device=self.device)
         if uses_counts(p):
@@ -78,11 +80,11 @@ class SlotControls:
                 self._stop[slot, torch.tensor(stops, device=self.device)] = True
         if uses_history(p):
             self._history[slot, : len(prompt_ids)] = torch.tensor(prompt_ids, device=self.device)
-            # Right-aligned: [NO_TOKEN..., w0, w1, ..., last]
-            table = torch.full((MAX_BAD_WORDS, MAX_BAD_WORD_TOKENS), NO_TOKEN, dtype=torch.long)
-            for row, word in enumerate(p.bad_words_ids):
-                table[row, MAX_BAD_WORD_TOKENS - len(word) :] = torch.tensor(word)
-            self._bad[slot] = table.to(self.device)
+        # Right-aligned: [NO_TOKEN..., w0, w1, ..., last]
+        table = torch.full((MAX_BAD_WORDS, MAX_BAD_WORD_TOKENS), NO_TOKEN, dtype=torch.long)
+        for row, word in enumerate(p.bad_words_ids):
+            table[row, MAX_BAD_WORD_TOKENS - len(word) :] = torch.tensor(word)
+        self._bad[slot] = table.to(self.device)
 
     def move(self, src: int, dst: int) -> None:
         for table in self._tables:

@@ -114,3 +114,17 @@ def test_seeded_sampling_with_warpers_is_batch_invariant(make_engine):
     mates = [make_request(prompt(s), max_new_tokens=NEW, do_sample=True, seed=s) for s in range(3)]
     results = engine.generate(mates[:1] + [make_request(prompt(5), max_new_tokens=NEW, **params)] + mates[1:])
     assert results[1].sequences[0].token_ids == alone.sequences[0].token_ids
+
+
+def test_a_reused_slot_keeps_nothing_of_its_previous_request(make_engine, hf_model):
+    """Bias and bad-word tables are gathered for a whole batch: a plain request taking over the
+    slot of a controlled one must decode as if that one never was."""
+    want = hf_generate(hf_model, prompt(2), NEW)
+    # Controls aimed at exactly the tokens the plain request will want.
+    aimed = {"logit_bias": ((want[0], -50.0),), "bad_words_ids": ((want[1],),)}
+    other = {"logit_bias": ((want[2], 1.0),), "bad_words_ids": ((EOS,),)}
+    engine = make_engine(max_slots=2)
+    engine.generate([make_request(prompt(2), max_new_tokens=NEW, **aimed)])  # alone: slot 0
+    plain, _ = engine.generate([make_request(prompt(2), max_new_tokens=NEW),  # slot 0 again
+                                make_request(prompt(1), max_new_tokens=NEW, **other)])
+    assert plain.sequences[0].token_ids == want
