@@ -11,8 +11,7 @@ import uuid
 from dataclasses import dataclass
 
 from service.errors import validation_error
-from service.engine.slot_controls import MAX_BAD_WORD_TOKENS
-from service.engine.types import GenerationRequest, SamplingParams
+from service.engine.types import MAX_BAD_WORD_TOKENS, GenerationRequest, SamplingParams
 from service.schemas import CompletionRequest, TGIParameters
 from service.settings import Settings
 from weights.tokenizer import GPT2Tokenizer

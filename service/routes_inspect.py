@@ -18,7 +18,7 @@ from matplotlib.figure import Figure
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from starlette.concurrency import run_in_threadpool
 
-from model.inspect import attention_maps, logit_lens
+from model.introspect import attention_maps, logit_lens
 from service.analysis_figure import SVG_MEDIA_TYPE
 from service.analysis_routes import ERRORS, _gate
 from service.errors import overloaded_error, validation_error

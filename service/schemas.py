@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from service.engine.slot_controls import MAX_BAD_WORDS
+from service.engine.types import MAX_BAD_WORDS
 
 # Static ceilings: generous, only there so no field is unbounded. The configured limits
 # (Settings) are tighter and checked at admission.

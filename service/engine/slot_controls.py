@@ -13,10 +13,8 @@ from __future__ import annotations
 import torch
 
 from model.logits_processors import NO_TOKEN, Controls
-from service.engine.types import SamplingParams
+from service.engine.types import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, SamplingParams
 
-MAX_BAD_WORDS = 32  # bad word sequences per request
-MAX_BAD_WORD_TOKENS = 8  # tokens per bad word sequence
 
 # Columns of the float table (the order Controls.floats has).
 PRESENCE, FREQUENCY, MIN_P, TYPICAL_P = range(4)

@@ -22,6 +22,11 @@ class EngineStopped(Exception):
     """The engine is shutting down (draining) and takes no new work: answer 503."""
 
 
+# bad_words_ids bounds: the engine keeps a fixed-size table per slot (slot_controls.py).
+MAX_BAD_WORDS = 32  # sequences per request
+MAX_BAD_WORD_TOKENS = 8  # tokens per sequence
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """One request's decoding settings, validated by the schema layer before they get here."""
