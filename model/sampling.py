@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from model.logits_processors import Controls, apply_controls, apply_warpers
+
 
 @dataclass
 class SamplingTensors:
@@ -30,6 +32,9 @@ class SamplingTensors:
     any_sample: bool
     any_top_k_top_p: bool
     any_penalty: bool
+    # logit_bias, presence/frequency, n-grams, bad words, min_new_tokens, min_p, typical_p
+    # (model/logits_processors.py); None when no row uses any.
+    controls: Controls | None = None
 
 
 def apply_repetition_penalty(
@@ -135,15 +140,22 @@ def choose_tokens(
     """
     logits = logits.float()  # [B, V]
     scores = logits
+    controls = params.controls
+    if controls is not None and controls.bias is not None:
+        scores = scores + controls.bias  # transformers' sequence_bias comes first
     if params.any_penalty:
         if seen is None:
             raise ValueError("a repetition penalty needs the seen-token mask")
         scores = apply_repetition_penalty(scores, seen, params.repetition_penalty)
+    if controls is not None:
+        scores = apply_controls(scores, controls)
     tokens = scores.argmax(dim=-1)  # [B]
     if params.any_sample:
         scores = apply_temperature(scores, params.temperature)
         if params.any_top_k_top_p:
             scores = apply_top_k_top_p(scores, params.top_k, params.top_p)
+        if controls is not None:
+            scores = apply_warpers(scores, controls)
         sampled = sample_rows(scores.softmax(dim=-1), seeded_uniform(params.seed, counter))  # [B]
         tokens = torch.where(params.do_sample, sampled, tokens)
     return tokens, token_logprobs(logits, tokens)

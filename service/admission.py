@@ -11,7 +11,7 @@ import uuid
 from dataclasses import dataclass
 
 from service.errors import validation_error
-from service.engine.types import GenerationRequest, SamplingParams
+from service.engine.types import MAX_BAD_WORD_TOKENS, GenerationRequest, SamplingParams
 from service.schemas import CompletionRequest, TGIParameters
 from service.settings import Settings
 from weights.tokenizer import GPT2Tokenizer
@@ -126,6 +126,12 @@ def tgi_sampling(p: TGIParameters, limits: Limits) -> SamplingParams:
         # best_of runs as n sampled sequences of one request; the route keeps the best.
         num_return_sequences=max(p.num_return_sequences, p.best_of or 1),
         prompt_logprobs=p.decoder_input_details,
+        top_logprobs=alternatives(p.top_n_tokens or 0, p.num_beams),
+        **decoding_controls(
+            limits, p.num_beams, min_p=p.min_p or 0.0, typical_p=p.typical_p or 1.0,
+            min_new_tokens=p.min_new_tokens or 0, stop_token_ids=p.stop_token_ids,
+            no_repeat_ngram_size=p.no_repeat_ngram_size or 0, bad_words_ids=p.bad_words_ids,
+        ),
     )
 
 
@@ -137,7 +143,7 @@ def openai_sampling(req: CompletionRequest, limits: Limits) -> SamplingParams:
     check_count("top_k", req.top_k, limits.vocab_size)
     greedy = req.temperature == 0.0
     return SamplingParams(
-        max_new_tokens=req.max_tokens or limits.default_max_new_tokens,
+        max_new_tokens=openai_max_new_tokens(req, limits),
         do_sample=not greedy,
         temperature=1.0 if greedy else req.temperature,
         top_k=req.top_k,
@@ -149,8 +155,65 @@ def openai_sampling(req: CompletionRequest, limits: Limits) -> SamplingParams:
         # Greedy has one answer per prompt: the route submits the prompt n times (rare; keeps
         # the usage it reports equal to the tokens computed).
         num_return_sequences=1 if greedy else candidates,
-        prompt_logprobs=req.echo and req.logprobs is not None,
+        prompt_logprobs=(req.echo and req.logprobs is not None) or req.prompt_logprobs is not None,
+        # One count serves generated and prompt tokens; the route keeps what each asked for.
+        top_logprobs=alternatives(max(req.logprobs or 0, req.prompt_logprobs or 0), 1),
+        **decoding_controls(
+            limits, 1, presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+            logit_bias=req.logit_bias, min_p=req.min_p, typical_p=req.typical_p, min_new_tokens=req.min_tokens,
+            stop_token_ids=req.stop_token_ids, no_repeat_ngram_size=req.no_repeat_ngram_size,
+            bad_words_ids=req.bad_words_ids,
+        ),
     )
+
+
+def openai_max_new_tokens(req: CompletionRequest, limits: Limits) -> int:
+    """max_tokens=0 (scoring only) runs as one token the response leaves out, as vLLM does: the
+    prompt's scores come from the prefill, which always picks a next token."""
+    if req.max_tokens is None:
+        return limits.default_max_new_tokens
+    return max(req.max_tokens, 1)
+
+
+def decoding_controls(
+    limits: Limits,
+    num_beams: int,
+    *,
+    logit_bias: dict[str, float] | None = None,
+    stop_token_ids: list[int] | None = None,
+    bad_words_ids: list[list[int]] | None = None,
+    **values: float,
+) -> dict:
+    """SamplingParams' decoding-control fields, token ids checked against the vocabulary."""
+    bias = []
+    for key, value in (logit_bias or {}).items():
+        if not key.isdigit():
+            raise validation_error(f"logit_bias keys are token ids; got {key!r}")
+        bias.append((check_token("logit_bias", int(key), limits), value))
+    stops = tuple(check_token("stop_token_ids", t, limits) for t in stop_token_ids or [])
+    bad = []
+    for word in bad_words_ids or []:
+        if not 1 <= len(word) <= MAX_BAD_WORD_TOKENS:
+            raise validation_error(f"bad_words_ids: each sequence has 1 to {MAX_BAD_WORD_TOKENS} token ids")
+        bad.append(tuple(check_token("bad_words_ids", t, limits) for t in word))
+    fields = {"logit_bias": tuple(bias), "stop_token_ids": stops, "bad_words_ids": tuple(bad), **values}
+    neutral = SamplingParams()
+    used = sorted(name for name, value in fields.items() if value != getattr(neutral, name))
+    if used and num_beams > 1:
+        raise validation_error(f"{', '.join(used)}: not applied in beam search here; use sampling or greedy")
+    return fields
+
+
+def check_token(field: str, token: int, limits: Limits) -> int:
+    if not 0 <= token < limits.vocab_size:
+        raise validation_error(f"{field}: token id {token} is outside the vocabulary (0 to {limits.vocab_size - 1})")
+    return token
+
+
+def alternatives(count: int, num_beams: int) -> int:
+    if count and num_beams > 1:
+        raise validation_error("top alternatives (top_n_tokens, logprobs) are not computed for beam search")
+    return count
 
 
 def new_request_id(prefix: str) -> str:

@@ -1,21 +1,19 @@
-"""The service's routes: TGI and OpenAI generation and the spectral analysis (own modules), plus
-health, info, tokenize and metrics here."""
+"""The service's routes: TGI and OpenAI generation, the tokenizer and the spectral analysis (own
+modules), plus health, info and metrics here."""
 
 from __future__ import annotations
 
-import json
-from collections.abc import Iterator
 from importlib.metadata import PackageNotFoundError, version
 
 from fastapi import APIRouter, FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
-from starlette.concurrency import run_in_threadpool
 
-from service import routes_openai, routes_tgi
+from service import routes_openai, routes_tgi, routes_tokenizer
+from service.analysis import inspection
 from service.analysis import routes as analysis_routes
 from service.errors import error_response
-from service.schemas import Info, SimpleToken, TokenizeRequest
+from service.schemas import Info
 from service.state import service_state
 
 router = APIRouter(tags=["Service"])
@@ -68,28 +66,6 @@ async def info(request: Request) -> dict:
     }
 
 
-TOKENS_PER_CHUNK = 2000  # ~130 kB of JSON: serialised in well under a GIL switch interval's worth of stalls
-
-
-@router.post("/tokenize", response_model=list[SimpleToken], summary="Tokenize text as the model sees it (TGI schema)")
-async def tokenize(body: TokenizeRequest, request: Request) -> Response:
-    tokenizer = service_state(request).tokenizer
-    ids, offsets = await run_in_threadpool(tokenizer.encode_with_offsets, body.inputs)
-    # 1 MB of text is ~17 MB of JSON: one json.dumps of it holds the GIL for ~0.3 s wherever it
-    # runs. Built and serialised in slices instead, by a generator Starlette runs in its thread pool.
-    return StreamingResponse(token_json(body.inputs, ids, offsets), media_type="application/json")
-
-
-def token_json(text: str, ids: list[int], offsets: list[tuple[int, int]]) -> Iterator[bytes]:
-    yield b"["
-    for start in range(0, len(ids), TOKENS_PER_CHUNK):
-        end = min(start + TOKENS_PER_CHUNK, len(ids))
-        tokens = [{"id": ids[i], "text": text[offsets[i][0]:offsets[i][1]], "start": offsets[i][0], "stop": offsets[i][1]}
-                  for i in range(start, end)]
-        yield (b"," if start else b"") + json.dumps(tokens, ensure_ascii=False)[1:-1].encode()
-    yield b"]"
-
-
 @router.get("/metrics", summary="Prometheus metrics", response_class=Response)
 async def metrics(request: Request) -> Response:
     return Response(service_state(request).metrics.expose(), media_type=CONTENT_TYPE_LATEST)
@@ -97,7 +73,8 @@ async def metrics(request: Request) -> Response:
 
 def include_routes(app: FastAPI) -> list[str]:
     """Mount every router; returns the route paths (the metrics' endpoint label values)."""
-    routers = [router, routes_tgi.router, routes_openai.router, analysis_routes.router]
+    routers = [router, routes_tgi.router, routes_openai.router, routes_tokenizer.router, analysis_routes.router,
+               inspection.router]
     for each in routers:
         app.include_router(each)
     return [route.path for each in routers for route in each.routes]

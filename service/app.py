@@ -14,6 +14,7 @@ from contextlib import asynccontextmanager
 
 import torch
 from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
 
 from service.analysis.startup import prepare_analysis
 from service.api import include_routes
@@ -27,6 +28,7 @@ from service.errors import install_error_handlers
 from service.generation import Generations
 from service.metrics import RequestMetricsMiddleware
 from service.request_guards import FramingMiddleware, HostAllowListMiddleware
+from service.request_context import HEADER, RequestIdMiddleware
 from service.settings import Settings
 from service.state import ServiceState
 from weights.checkpoint import load_model
@@ -120,4 +122,11 @@ def create_app(settings: Settings) -> FastAPI:
     if settings.allowed_hosts is not None:
         app.add_middleware(HostAllowListMiddleware, allowed_hosts=settings.allowed_hosts)
     app.add_middleware(FramingMiddleware)
+    if settings.cors_origin_list:
+        # Outside authentication: a browser's preflight (OPTIONS) carries no credentials.
+        app.add_middleware(
+            CORSMiddleware, allow_origins=settings.cors_origin_list, allow_methods=["GET", "POST"],
+            allow_headers=["*"], expose_headers=[HEADER],
+        )
+    app.add_middleware(RequestIdMiddleware)  # outermost: every answer carries the id
     return app

@@ -33,6 +33,7 @@ from fastapi import FastAPI
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from service.drain import Drain
+from service.logs import log_config
 from service.errors import error_body
 from service.log_limit import limit_repeated_lines
 from service.settings import Settings
@@ -171,6 +172,7 @@ def serve(app: FastAPI, settings: Settings) -> None:
     config = uvicorn.Config(
         app, host=settings.host, port=settings.port, http=guarded_protocol(settings), backlog=BACKLOG,
         timeout_keep_alive=settings.keep_alive_seconds, timeout_graceful_shutdown=settings.drain_seconds,
+        log_config=log_config(settings.log_format),
     )
     limit_repeated_lines()  # after uvicorn.Config, which configures logging
     DrainingServer(config, app.state.drain, settings.drain_seconds).run()

@@ -27,8 +27,10 @@ from service.engine.types import (
     FinishedSequence,
     FinishReason,
     GenerationRequest,
+    PromptScores,
     RequestFailed,
     TokenEvent,
+    TopLogprobs,
 )
 from service.text_stream import TextStream
 from weights.tokenizer import GPT2Tokenizer
@@ -39,6 +41,7 @@ class SequenceOutput:
     text: TextStream
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[TopLogprobs] = field(default_factory=list)
     token_times: list[float] = field(default_factory=list)
     finish_reason: FinishReason | None = None
 
@@ -50,7 +53,7 @@ class RequestOutput:
     seed: int | None = None
     queue_seconds: float | None = None
     first_token_time: float | None = None
-    prompt_logprobs: list[float | None] | None = None
+    prompt_scores: PromptScores | None = None
 
     @property
     def all_ended(self) -> bool:
@@ -93,14 +96,14 @@ class OutputProcessor:
             if request is not None:
                 request.seed = started.seed
                 request.queue_seconds = started.queue_seconds
-                request.prompt_logprobs = started.prompt_logprobs
+                request.prompt_scores = started.prompt_scores
                 if not request.sequences:  # beam search: its first step is this one
                     request.first_token_time = now
-        for request_id, index, token, logprob, reason in step.tokens:
+        for request_id, index, token, logprob, reason, top in step.tokens:
             request = self._requests.get(request_id)
             if request is None or request.sequences[index].finish_reason is not None:
                 continue  # ended here already; the core has not heard yet
-            out.events.append(self._add_token(request, index, token, logprob, reason, now))
+            out.events.append(self._add_token(request, index, token, logprob, reason, now, top))
             if request.first_token_time is None:
                 request.first_token_time = now
             if request.all_ended and reason is None:
@@ -128,11 +131,14 @@ class OutputProcessor:
         return failed
 
     def _add_token(
-        self, request: RequestOutput, index: int, token: int, logprob: float, reason: FinishReason | None, now: float
+        self, request: RequestOutput, index: int, token: int, logprob: float, reason: FinishReason | None,
+        now: float, top: TopLogprobs | None = None,
     ) -> TokenEvent:
         seq = request.sequences[index]
         seq.token_ids.append(token)
         seq.logprobs.append(logprob)
+        if top is not None:
+            seq.top_logprobs.append(top)
         seq.token_times.append(now)
         text = seq.text.add(token)
         if seq.text.stopped:
@@ -140,7 +146,7 @@ class OutputProcessor:
         if reason is not None:
             text += seq.text.finish()
             seq.finish_reason = reason
-        return TokenEvent(request.request.request_id, index, token, text, logprob, now)
+        return TokenEvent(request.request.request_id, index, token, text, logprob, now, top)
 
     def _finish(
         self, request: RequestOutput, now: float, beams: list[FinishedSequence] | None = None
@@ -154,7 +160,8 @@ class OutputProcessor:
             sequences = [FinishedSequence([], "", [], "cancelled") for _ in range(params.num_return_sequences)]
         else:
             sequences = [
-                FinishedSequence(s.token_ids, s.text.text, s.logprobs, s.finish_reason or "cancelled", None, s.token_times)
+                FinishedSequence(s.token_ids, s.text.text, s.logprobs, s.finish_reason or "cancelled", None,
+                                 s.token_times, s.top_logprobs if params.top_logprobs else None)
                 for s in request.sequences
             ]
         first = request.first_token_time
@@ -166,7 +173,8 @@ class OutputProcessor:
             queue_seconds=request.queue_seconds if request.queue_seconds is not None else now - arrival,
             first_token_seconds=first - arrival if first is not None else None,
             total_seconds=now - arrival,
-            prompt_logprobs=request.prompt_logprobs,
+            prompt_logprobs=request.prompt_scores.logprobs if request.prompt_scores else None,
+            prompt_scores=request.prompt_scores,
         )
 
     def _decoded(self, beam: FinishedSequence) -> FinishedSequence:

@@ -28,6 +28,7 @@ from service.generation import CallStreams
 from service.metrics import set_outcome
 from service.engine.types import FinishedRequest, FinishedSequence, GenerationRequest, TokenEvent
 from service.routes_tgi import CLIENT_GONE, ERRORS
+from service.scoring import completion_logprobs, vllm_prompt_logprobs
 from service.schemas import CompletionRequest, CompletionResponse, ModelList
 from service.sse import DONE, EventStream, sse
 from service.state import ServiceState, service_state
@@ -122,7 +123,8 @@ def completion_body(call: Call, results: list[FinishedRequest], tokenizer: GPT2T
             sequences = sorted(sequences, key=mean_logprob, reverse=True)[: body.n]
         for sequence_index, seq in enumerate(sequences):
             choices.append(choice(call, request_index, sequence_index, prompt, result, seq, tokenizer))
-    usage = call.usage(sum(r.generated_tokens for r in results))
+    # max_tokens=0 ran one token that the answer leaves out (openai_max_new_tokens).
+    usage = call.usage(0 if body.max_tokens == 0 else sum(r.generated_tokens for r in results))
     return call.chunk(sorted(choices, key=lambda c: c["index"]), usage)
 
 
@@ -131,29 +133,27 @@ def choice(
     seq: FinishedSequence, tokenizer: GPT2Tokenizer,
 ) -> dict:
     body = call.body
-    text = (prompt.text if body.echo else "") + seq.text
+    scoring_only = body.max_tokens == 0
+    ids, lps = ([], []) if scoring_only else (list(seq.token_ids), list(seq.logprobs))
+    tops: list = list(seq.top_logprobs or [None] * len(ids)) if not scoring_only else []
+    text = (prompt.text if body.echo else "") + ("" if scoring_only else seq.text)
     logprobs = None
     if body.logprobs is not None:
-        ids, lps = list(seq.token_ids), list(seq.logprobs)
         if body.echo:
+            scores = result.prompt_scores
             ids = prompt.ids + ids
-            lps = list(result.prompt_logprobs or [None] * len(prompt.ids)) + lps
-        logprobs = token_logprobs(ids, lps, 0, tokenizer)
-    return {
+            lps = list(scores.logprobs if scores else [None] * len(prompt.ids)) + lps
+            tops = list(scores.top if scores else [None] * len(prompt.ids)) + tops
+        logprobs = completion_logprobs(ids, lps, tops, body.logprobs, 0, tokenizer)
+    out = {
         "index": call.choice_index(request_index, sequence_index),
         "text": text,
         "logprobs": logprobs,
-        "finish_reason": openai_finish_reason(seq.finish_reason),
+        "finish_reason": "length" if scoring_only else openai_finish_reason(seq.finish_reason),
     }
-
-
-def token_logprobs(ids: list[int], lps: list[float | None], offset: int, tokenizer: GPT2Tokenizer) -> dict:
-    tokens = [tokenizer.decode([t]) for t in ids]
-    offsets = []
-    for token in tokens:
-        offsets.append(offset)
-        offset += len(token)
-    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": None, "text_offset": offsets}
+    if body.prompt_logprobs is not None and result.prompt_scores is not None:
+        out["prompt_logprobs"] = vllm_prompt_logprobs(prompt.ids, result.prompt_scores, body.prompt_logprobs, tokenizer)
+    return out
 
 
 def mean_logprob(seq: FinishedSequence) -> float:
@@ -187,7 +187,9 @@ async def stream_chunks(state: ServiceState, call: Call, batch: CallStreams, req
                     offsets[index] = start + len(item.text)
                     logprobs = None
                     if body.logprobs is not None:
-                        logprobs = token_logprobs([item.token_id], [item.logprob], start, tokenizer)
+                        logprobs = completion_logprobs(
+                            [item.token_id], [item.logprob], [item.top_logprobs], body.logprobs, start, tokenizer
+                        )
                     yield sse(call.chunk([{"index": index, "text": item.text, "logprobs": logprobs, "finish_reason": None}]))
                 elif isinstance(item, FinishedRequest):
                     generated += item.generated_tokens

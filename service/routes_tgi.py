@@ -18,6 +18,7 @@ from service.errors import ApiError, error_body, validation_error
 from service.generation import CallStreams
 from service.metrics import set_outcome
 from service.engine.types import FinishedRequest, FinishedSequence, GenerationRequest, TokenEvent
+from service.scoring import tgi_top_tokens
 from service.schemas import GenerateResponse, TGIParameters, TGIRequest
 from service.sse import EventStream, sse
 from service.state import ServiceState, service_state
@@ -118,6 +119,8 @@ def tgi_output(prompt: Prompt, result: FinishedRequest, p: TGIParameters, tokeni
                 "prefill": prefill,
                 "tokens": token_details(seq, tokenizer),
             }
+            if p.top_n_tokens:
+                out["details"]["top_tokens"] = [tgi_top_tokens(top, tokenizer) for top in seq.top_logprobs or []]
         return out
 
     sequences = result.sequences
@@ -168,6 +171,8 @@ async def tgi_events(
                 index += 1
                 last = finished is not None and position == len(tokens) - 1
                 payload = stream_token(event.token_id, event.text, event.logprob, index, tokenizer)
+                if event.top_logprobs is not None:
+                    payload["top_tokens"] = tgi_top_tokens(event.top_logprobs, tokenizer)
                 if last:
                     payload.update(stream_end(finished, prompt, p))
                 yield sse(payload)

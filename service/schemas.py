@@ -10,6 +10,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
+from service.engine.types import MAX_BAD_WORDS
+
 # Static ceilings: generous, only there so no field is unbounded. The configured limits
 # (Settings) are tighter and checked at admission.
 MAX_TEXT_CHARS = 1_000_000
@@ -21,6 +23,8 @@ MAX_STOP_CHARS = 4096
 # and 1e-40 still turns every logit into ±inf, so softmax gives NaN). Anything this small
 # already samples the most likely token; greedy decoding says so directly.
 MIN_TEMPERATURE = 1e-6
+MAX_NGRAM = 32  # no_repeat_ngram_size
+MAX_TOP_LOGPROBS = 5  # alternatives per token: OpenAI's logprobs limit, TGI's max_top_n_tokens default
 
 
 def _valid_unicode(text: str) -> str:
@@ -99,9 +103,9 @@ class TGIParameters(StrictRequest):
     top_k: int | None = Field(None, gt=0, le=1_000_000)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     truncate: int | None = Field(None, ge=1, le=1_000_000, description="keep only the last N prompt tokens")
+    top_n_tokens: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description="alternatives per generated token")
+    typical_p: float | None = Field(None, gt=0.0, le=1.0, description="locally typical sampling (transformers')")
     # Known to TGI but not computed here: accepted only at their neutral value.
-    typical_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_n_tokens: int | None = Field(None, ge=0, le=64)
     watermark: bool = False
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     grammar: dict | None = None
@@ -112,12 +116,16 @@ class TGIParameters(StrictRequest):
     early_stopping: bool | Literal["never"] = False
     num_return_sequences: int = Field(1, ge=1, le=64)
     ignore_eos: bool = False
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    min_new_tokens: int | None = Field(None, ge=0, le=1_000_000)
+    stop_token_ids: list[int] | None = Field(None, max_length=64)
+    no_repeat_ngram_size: int | None = Field(None, ge=0, le=MAX_NGRAM)
+    bad_words_ids: list[list[int]] | None = Field(None, max_length=MAX_BAD_WORDS)
 
     @model_validator(mode="after")
     def _consistent(self) -> "TGIParameters":
         check_temperature(self.temperature, greedy_zero=False)
-        for name, neutral in (("typical_p", (None, 1.0)), ("top_n_tokens", (None, 0)),
-                              ("watermark", (False,)), ("frequency_penalty", (None, 0.0)),
+        for name, neutral in (("watermark", (False,)), ("frequency_penalty", (None, 0.0)),
                               ("grammar", (None,)), ("adapter_id", (None,))):
             if getattr(self, name) not in neutral:
                 raise ValueError(f"{name} is not supported by this server")
@@ -151,6 +159,8 @@ class TGIParameters(StrictRequest):
             or (self.temperature is not None and self.temperature != 1.0)
             or (self.top_k is not None)
             or (self.top_p is not None and self.top_p < 1.0)
+            or (self.typical_p is not None and self.typical_p < 1.0)
+            or bool(self.min_p)
         )
 
 
@@ -202,6 +212,7 @@ class Details(BaseModel):
     seed: int | None
     prefill: list[PrefillToken]
     tokens: list[Token]
+    top_tokens: list[list[Token]] | None = None  # top_n_tokens alternatives per generated token
     best_of_sequences: list[BestOfSequence] | None = None
 
 
@@ -220,6 +231,7 @@ class StreamDetails(BaseModel):
 class StreamResponse(BaseModel):
     index: int
     token: Token
+    top_tokens: list[Token] | None = None
     generated_text: str | None = None
     details: StreamDetails | None = None
 
@@ -236,36 +248,45 @@ class StreamOptions(StrictRequest):
 class CompletionRequest(StrictRequest):
     model: str = Field(..., max_length=200)
     prompt: Text | list[Text] | list[int] | list[list[int]] = Field(..., description="text(s) or token ids")
-    max_tokens: int | None = Field(16, ge=1, le=1_000_000)
+    max_tokens: int | None = Field(16, ge=0, le=1_000_000, description="0 with echo: score the prompt only")
     temperature: float = Field(1.0, ge=0.0, le=2.0, description="0: greedy")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     n: int = Field(1, ge=1, le=64)
     best_of: int | None = Field(None, ge=1, le=64)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    logprobs: int | None = Field(None, ge=0, le=5)
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description="N: the N most likely alternatives too")
     echo: bool = False
     stop: Text | list[Text] | None = None
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = Field(None, max_length=MAX_LIST, description="token id → -100..100")
     suffix: str | None = Field(None, max_length=MAX_TEXT_CHARS)
     user: str | None = Field(None, max_length=1000)
     # Extensions (as vLLM names them), with transformers' meanings.
     top_k: int = Field(0, ge=0, le=1_000_000, description="0: off")
     repetition_penalty: float = Field(1.0, gt=0.0, le=100.0)
     ignore_eos: bool = False
+    prompt_logprobs: int | None = Field(
+        None, ge=0, le=MAX_TOP_LOGPROBS, description="vLLM's: each prompt token's logprob, rank and N alternatives"
+    )
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    typical_p: float = Field(1.0, gt=0.0, le=1.0)
+    min_tokens: int = Field(0, ge=0, le=1_000_000, description="vLLM's name for min_new_tokens")
+    stop_token_ids: list[int] | None = Field(None, max_length=64)
+    no_repeat_ngram_size: int = Field(0, ge=0, le=MAX_NGRAM)
+    bad_words_ids: list[list[int]] | None = Field(None, max_length=MAX_BAD_WORDS)
 
     @model_validator(mode="after")
     def _consistent(self) -> "CompletionRequest":
         check_temperature(self.temperature, greedy_zero=True)
-        if self.logprobs:
-            raise ValueError("logprobs > 0 (top alternatives) is not supported; logprobs=0 gives the chosen tokens'")
-        if self.presence_penalty or self.frequency_penalty:
-            raise ValueError("presence_penalty and frequency_penalty are not supported; use repetition_penalty")
-        if self.logit_bias:
-            raise ValueError("logit_bias is not supported")
+        if self.max_tokens == 0 and not (self.echo or self.prompt_logprobs is not None):
+            raise ValueError("max_tokens=0 scores the prompt: it needs echo=true or prompt_logprobs")
+        if self.max_tokens == 0 and self.stream:
+            raise ValueError("max_tokens=0 (scoring only) is answered whole: set stream=false")
+        if self.logit_bias and any(not -100.0 <= v <= 100.0 for v in self.logit_bias.values()):
+            raise ValueError("logit_bias values must be between -100 and 100")
         if self.suffix:
             raise ValueError("suffix is not supported: GPT-2 cannot fill in the middle")
         stops = self.stop_list
@@ -298,8 +319,14 @@ class CompletionRequest(StrictRequest):
 class CompletionLogprobs(BaseModel):
     tokens: list[str]
     token_logprobs: list[float | None]
-    top_logprobs: list[dict[str, float]] | None = None
+    top_logprobs: list[dict[str, float] | None] | None = None
     text_offset: list[int]
+
+
+class PromptLogprob(BaseModel):
+    logprob: float
+    rank: int
+    decoded_token: str
 
 
 class CompletionChoice(BaseModel):
@@ -307,6 +334,8 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: Literal["stop", "length"] | None
+    # vLLM's extension: per prompt token (None for the first), keyed by token id.
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
 
 
 class Usage(BaseModel):

@@ -52,6 +52,10 @@ class Settings(BaseSettings):
     allowed_hosts: str | None = Field(
         None, description="Host names served, comma-separated, '*' for any; default: loopback names when bound to loopback"
     )
+    cors_origins: str = Field(
+        "", max_length=4000, description="comma-separated origins browsers may call from ('*': any); empty: CORS off"
+    )
+    log_format: Literal["text", "json"] = Field("text", description="json: one JSON object per log line")
 
     # --- /analyze/spectrum --------------------------------------------------------------------
     analysis_max_texts: int = Field(8, ge=1, le=256, description="texts per analysis request")
@@ -65,6 +69,7 @@ class Settings(BaseSettings):
     compare_model_name: str | None = Field(
         None, min_length=1, max_length=200, description="its name in reports; default the folder's name"
     )
+    inspect_max_tokens: int = Field(64, ge=1, le=1024, description="tokens per /analyze/attention or /analyze/logit-lens text")
 
     @model_validator(mode="after")
     def _consistent(self) -> "Settings":
@@ -73,6 +78,10 @@ class Settings(BaseSettings):
                 f"default_max_new_tokens ({self.default_max_new_tokens}) exceeds max_new_tokens ({self.max_new_tokens})"
             )
         return self
+
+    @property
+    def cors_origin_list(self) -> list[str]:
+        return [o.strip() for o in self.cors_origins.split(",") if o.strip()]
 
     @property
     def torch_dtype(self) -> torch.dtype:

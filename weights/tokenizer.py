@@ -54,6 +54,10 @@ class GPT2Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def token_str(self, token_id: int) -> str:
+        """The token as the vocabulary spells it (byte-level: "Ġthe" for " the")."""
+        return self._tok.id_to_token(token_id)
+
     def is_special(self, token_id: int) -> bool:
         return token_id == self.eos_token_id
 

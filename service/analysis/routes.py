@@ -105,7 +105,7 @@ async def _spectrum(
             check_layers(subject.model.config, layers)
         if format == "svg":
             check_available()
-    gate = _gate(request, settings.analysis_max_concurrent)
+    gate = analysis_gate(request, settings.analysis_max_concurrent)
     if not gate.acquire(blocking=False):
         raise overloaded_error(
             f"{settings.analysis_max_concurrent} analyses are already running; retry later",
@@ -153,7 +153,7 @@ def _parse_layers(values: list[str] | None) -> list[int] | None:
 _gate_lock = threading.Lock()
 
 
-def _gate(request: Request, limit: int) -> threading.BoundedSemaphore:
+def analysis_gate(request: Request, limit: int) -> threading.BoundedSemaphore:
     """The app's analysis semaphore, made on first use (one per app, shared by its requests)."""
     app_state = request.app.state
     with _gate_lock:

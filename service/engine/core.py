@@ -24,19 +24,23 @@ import torch
 
 from model.gpt2 import GPT2
 from model.kv_cache import KVCache
-from model.sampling import choose_tokens, token_logprobs
+from model.sampling import choose_tokens
+from model.scoring import score_tokens, top_alternatives
 from service.engine.beams import advance_beams, beam_results, start_beam_search
 from service.engine.graphs import StaticDecode
 from service.engine.scheduler import RequestState, Scheduler, Sequence, StepPlan
+from service.engine.slot_controls import SlotControls
 from service.engine.slot_params import SlotParams
 from service.engine.types import (
     CoreStep,
     CoreToken,
     GenerationRequest,
+    PromptScores,
     RequestDone,
     RequestFailed,
     RequestStarted,
     StepStats,
+    TopLogprobs,
 )
 
 log = logging.getLogger(__name__)
@@ -78,6 +82,7 @@ class SampledToken:
     seq: Sequence
     token: int
     logprob: float
+    top: TopLogprobs | None = None
 
 
 @dataclass
@@ -105,6 +110,7 @@ class EngineCore:
         max_len = config.max_len or model.config.n_positions
         self.cache = KVCache(model.config, config.max_slots, max_len, self.device, model.dtype)
         self.slot_params = SlotParams(config.max_slots, model.config.vocab_size, self.device)
+        self.slot_controls = SlotControls(config.max_slots, model.config.vocab_size, max_len, eos_token_id, self.device)
         self.scheduler = Scheduler(self.cache, config.max_waiting, config.max_prefill_tokens, self._start)
         self.static_decode = StaticDecode(self.model, self.cache) if config.static_decode else None
         if self.static_decode is not None and self.device.type == "cuda":
@@ -167,7 +173,7 @@ class EngineCore:
                     for beam in state.sequences:  # finish() gives each hypothesis its reason
                         self.scheduler.release_sequence(beam, "length")
         results.started = [
-            RequestStarted(s.request.request_id, s.scheduled_time - s.request.arrival_time, s.seed, s.prompt_logprobs)
+            RequestStarted(s.request.request_id, s.scheduled_time - s.request.arrival_time, s.seed, s.prompt_scores)
             for s in plan.prefill
         ]
         results.tokens = [self._advance(s) for s in sampled]
@@ -188,6 +194,7 @@ class EngineCore:
             if state.beam is None:
                 seed = (state.seed + index * SEED_STRIDE) % SEED_MODULUS if params.do_sample else 0
                 self.slot_params.write(slot, params, prompt, seed)
+                self.slot_controls.write(slot, params, prompt)
             sequences.append(Sequence(index, slot, list(prompt), len(prompt)))
         return sequences
 
@@ -195,6 +202,7 @@ class EngineCore:
         if length:
             self.cache.copy_slots([src], [dst], length)
         self.slot_params.move(src, dst)
+        self.slot_controls.move(src, dst)
 
     # --- run: forwards and sampling -------------------------------------------------------------
     def _layout(self, plan: StepPlan) -> StepRows:
@@ -259,19 +267,26 @@ class EngineCore:
             self.cache.copy_slots([s for s, _ in copies], [d for _, d in copies], longest)
         for row, state in enumerate(states):
             if state.params.prompt_logprobs:
-                state.prompt_logprobs = self._prompt_logprobs(out.hidden_states[-1][row], prompts[row])
+                state.prompt_scores = self._prompt_scores(
+                    out.hidden_states[-1][row], prompts[row], state.params.top_logprobs
+                )
         return out.logits  # [B, V]
 
-    def _prompt_logprobs(self, hidden: torch.Tensor, prompt: list[int]) -> list[float | None]:
-        """log p(prompt[i] | prompt[:i]) for i >= 1, from the prefill's last hidden states [T, C]."""
+    def _prompt_scores(self, hidden: torch.Tensor, prompt: list[int], n: int) -> PromptScores:
+        """How the model scores prompt[i] given prompt[:i], i >= 1, from the prefill's last hidden
+        states [T, C]: log-probability, rank and n alternatives, copied to the host at once."""
         targets = torch.tensor(prompt[1:], device=self.device)  # [T-1]
         chunks = []
         for start in range(0, len(prompt) - 1, PROMPT_LOGPROB_CHUNK):
             end = min(start + PROMPT_LOGPROB_CHUNK, len(prompt) - 1)
-            logits = self.model.lm_head(self.model.ln_f(hidden[start:end])).float()  # [n, V]
-            chunks.append(token_logprobs(logits, targets[start:end]))
-        found = torch.cat(chunks).tolist() if chunks else []
-        return [None] + found
+            logits = self.model.lm_head(self.model.ln_f(hidden[start:end])).float()  # [m, V]
+            s = score_tokens(logits, targets[start:end], n)
+            # [m, 2 + 2n]: logprob, rank, alternatives' ids, their logprobs (float64 holds ids exactly)
+            chunks.append(torch.cat([s.logprobs[:, None].double(), s.ranks[:, None].double(),
+                                     s.top_ids.double(), s.top_logprobs.double()], dim=1))
+        rows = torch.cat(chunks).tolist() if chunks else []
+        top = [list(zip(map(int, r[2 : 2 + n]), r[2 + n :])) for r in rows]
+        return PromptScores([None] + [r[0] for r in rows], [None] + [int(r[1]) for r in rows], [None] + top)
 
     def _decode(self, seqs: list[Sequence]) -> torch.Tensor:
         slots = [s.slot for s in seqs]
@@ -289,17 +304,27 @@ class EngineCore:
         if not rows.sampled:
             return []
         slots = rows.sample_slots
-        params = self.slot_params.gather(slots, [state.params for state, _ in rows.sampled])
+        requested = [state.params for state, _ in rows.sampled]
+        params = self.slot_params.gather(slots, requested)
+        params.controls = self.slot_controls.gather(slots, rows.sample_counters, requested)
         seen = self.slot_params.seen(slots) if params.any_penalty else None
-        tokens, logprobs = choose_tokens(logits[rows.sample_rows], params, rows.sample_counters, seen)  # [B], [B]
+        step_logits = logits[rows.sample_rows]  # [B, V]
+        tokens, logprobs = choose_tokens(step_logits, params, rows.sample_counters, seen)  # [B], [B]
         if params.any_penalty:
             self.slot_params.mark_seen(slots, tokens)
-        # The sampler's one device→host copy: tokens and their log-probs together (float64 holds
-        # every token id exactly).
-        host_tokens, host_logprobs = torch.stack([tokens.double(), logprobs.double()]).cpu().tolist()
+        self.slot_controls.record(params.controls, slots, rows.sample_counters, tokens)
+        columns = [tokens[:, None].double(), logprobs[:, None].double()]
+        # Alternatives: as many as the most demanding row asked for; each row keeps its own count.
+        n = max(state.params.top_logprobs for state, _ in rows.sampled)
+        if n:
+            top_ids, top_logprobs = top_alternatives(step_logits.float(), n)  # [B, n], [B, n]
+            columns += [top_ids.double(), top_logprobs.double()]
+        # The sampler's one device→host copy: tokens, their log-probs and alternatives together
+        # (float64 holds every token id exactly). [B, 2 + 2n]
+        host = torch.cat(columns, dim=1).cpu().tolist()
         return [
-            SampledToken(state, seq, int(token), logprob)
-            for (state, seq), token, logprob in zip(rows.sampled, host_tokens, host_logprobs)
+            SampledToken(state, seq, int(row[0]), row[1], alternatives(row, n, state.params.top_logprobs))
+            for (state, seq), row in zip(rows.sampled, host)
         ]
 
     # --- postprocess ------------------------------------------------------------------------------
@@ -307,7 +332,7 @@ class EngineCore:
         state, seq, token = sampled.state, sampled.seq, sampled.token
         seq.token_ids.append(token)
         params = state.params
-        if token == self.eos_token_id and not params.ignore_eos:
+        if (token == self.eos_token_id and not params.ignore_eos) or token in params.stop_token_ids:
             reason = "eos_token"
         elif len(seq.token_ids) - seq.prompt_length >= params.max_new_tokens:
             reason = "length"
@@ -315,9 +340,16 @@ class EngineCore:
             reason = None
         if reason is not None:
             self.scheduler.release_sequence(seq, reason)
-        return (state.request.request_id, seq.index, token, sampled.logprob, reason)
+        return (state.request.request_id, seq.index, token, sampled.logprob, reason, sampled.top)
 
     def _finish(self, state: RequestState) -> RequestDone:
         self.scheduler.forget(state.request.request_id)
         beams = beam_results(state) if state.beam is not None and state.beam.done else None
         return RequestDone(state.request.request_id, beams)
+
+
+def alternatives(row: list[float], n: int, wanted: int) -> TopLogprobs | None:
+    """A host row [token, logprob, n ids, n logprobs] → the first `wanted` alternatives."""
+    if not wanted:
+        return None
+    return list(zip(map(int, row[2 : 2 + wanted]), row[2 + n : 2 + n + wanted]))

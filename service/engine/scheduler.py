@@ -18,6 +18,7 @@ from service.engine.types import (
     EngineStopped,
     FinishReason,
     GenerationRequest,
+    PromptScores,
     QueueFull,
     SamplingParams,
 )
@@ -95,7 +96,7 @@ class RequestState:
     beam: object | None = None  # model.beam.BeamSearch for num_beams > 1
     scheduled_time: float | None = None
     first_token_time: float | None = None
-    prompt_logprobs: list[float | None] | None = None
+    prompt_scores: PromptScores | None = None
 
     @property
     def params(self) -> SamplingParams:

@@ -22,6 +22,11 @@ class EngineStopped(Exception):
     """The engine is shutting down (draining) and takes no new work: answer 503."""
 
 
+# bad_words_ids bounds: the engine keeps a fixed-size table per slot (slot_controls.py).
+MAX_BAD_WORDS = 32  # sequences per request
+MAX_BAD_WORD_TOKENS = 8  # tokens per sequence
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """One request's decoding settings, validated by the schema layer before they get here."""
@@ -40,6 +45,33 @@ class SamplingParams:
     early_stopping: bool | Literal["never"] = False
     num_return_sequences: int = 1
     prompt_logprobs: bool = False  # FinishedRequest.prompt_logprobs (TGI decoder_input_details)
+    # The most likely alternatives reported per generated token (and, with prompt_logprobs, per
+    # prompt token): OpenAI's logprobs=N, TGI's top_n_tokens, vLLM's prompt_logprobs=N.
+    top_logprobs: int = 0
+    # Decoding controls (model/logits_processors.py): transformers' meaning where it has them,
+    # vLLM's for presence/frequency penalties.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
+    min_p: float = 0.0  # 0: off
+    typical_p: float = 1.0  # 1.0: off
+    min_new_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()  # end the sequence as EOS does
+    no_repeat_ngram_size: int = 0  # 0: off
+    bad_words_ids: tuple[tuple[int, ...], ...] = ()
+
+
+# A token's most likely alternatives, most likely first: (token id, log-probability).
+TopLogprobs = list[tuple[int, float]]
+
+
+@dataclass
+class PromptScores:
+    """Per prompt token, the first left as None (nothing precedes it): how the model scored it."""
+
+    logprobs: list[float | None]  # log p(token i | tokens before it)
+    ranks: list[int | None]  # 1 + how many tokens the model found more likely
+    top: list[TopLogprobs | None]  # SamplingParams.top_logprobs alternatives ([] when 0)
 
 
 @dataclass
@@ -60,6 +92,7 @@ class TokenEvent:
     text: str  # text this token releases (stop-string hold-back may delay or cut it)
     logprob: float
     time: float = 0.0  # time.monotonic() when the token was produced (inter-token latency)
+    top_logprobs: TopLogprobs | None = None  # when the request asked for alternatives
 
 
 @dataclass
@@ -70,6 +103,7 @@ class FinishedSequence:
     finish_reason: FinishReason
     score: float | None = None  # beam search: the length-penalised sequence score
     token_times: list[float] = field(default_factory=list)  # time.monotonic() per token
+    top_logprobs: list[TopLogprobs] | None = None  # per token, when the request asked for them
 
 
 @dataclass
@@ -84,6 +118,7 @@ class FinishedRequest:
     extra: dict = field(default_factory=dict)
     # One entry per prompt token: None for the first, then log p(token | tokens before it).
     prompt_logprobs: list[float | None] | None = None
+    prompt_scores: PromptScores | None = None  # the same with ranks and alternatives
 
     @property
     def generated_tokens(self) -> int:
@@ -105,7 +140,7 @@ class RequestStarted:
     request_id: str
     queue_seconds: float  # arrival → first scheduled
     seed: int | None  # the seed sampling uses (chosen by the core when the request gave none)
-    prompt_logprobs: list[float | None] | None = None
+    prompt_scores: PromptScores | None = None
 
 
 @dataclass
@@ -117,8 +152,9 @@ class RequestDone:
     beams: list[FinishedSequence] | None = None
 
 
-# (request id, sequence index, token id, log-probability, finish reason if this token ended it)
-CoreToken = tuple[str, int, int, float, FinishReason | None]
+# (request id, sequence index, token id, log-probability, finish reason if this token ended it,
+#  the token's top alternatives when its request asked for them)
+CoreToken = tuple[str, int, int, float, FinishReason | None, TopLogprobs | None]
 
 
 @dataclass

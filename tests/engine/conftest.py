@@ -55,15 +55,9 @@ def random_prompt(length: int, seed: int, vocab: int = TINY.vocab_size) -> list[
 def hf_generate(hf_model, prompt_ids: list[int], max_new_tokens: int, **kwargs) -> list[int]:
     """transformers' generate() on one prompt: the generated token ids only."""
     prompt = torch.tensor([prompt_ids], device=hf_model.device)  # [1, T]
+    defaults = {"min_new_tokens": 0, "do_sample": False, "num_beams": 1, "pad_token_id": hf_model.config.eos_token_id}
     out = hf_model.generate(
-        prompt,
-        attention_mask=torch.ones_like(prompt),
-        max_new_tokens=max_new_tokens,
-        min_new_tokens=0,
-        do_sample=False,
-        num_beams=1,
-        pad_token_id=hf_model.config.eos_token_id,
-        **kwargs,
+        prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=max_new_tokens, **{**defaults, **kwargs}
     )
     return out[0, len(prompt_ids) :].tolist()
 

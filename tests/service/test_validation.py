@@ -41,7 +41,12 @@ TGI_CASES = [
     ({"inputs": "x", "parameters": {"stop": [""]}}, ["stop", "empty"]),
     ({"inputs": "x", "parameters": {"stop": ["y" * 65]}}, ["stop", "64"]),
     ({"inputs": "x", "parameters": {"watermark": True}}, ["watermark", "not supported"]),
-    ({"inputs": "x", "parameters": {"top_n_tokens": 2}}, ["top_n_tokens", "not supported"]),
+    ({"inputs": "x", "parameters": {"top_n_tokens": 6}}, ["top_n_tokens"]),
+    ({"inputs": "x", "parameters": {"frequency_penalty": 0.5}}, ["frequency_penalty", "not supported"]),
+    ({"inputs": "x", "parameters": {"no_repeat_ngram_size": 2, "num_beams": 2}}, ["no_repeat_ngram_size", "beam search"]),
+    ({"inputs": "x", "parameters": {"stop_token_ids": [50257]}}, ["stop_token_ids", "vocabulary"]),
+    ({"inputs": "x", "parameters": {"typical_p": 0}}, ["typical_p"]),
+    ({"inputs": "x", "parameters": {"top_n_tokens": 2, "num_beams": 2}}, ["beam search"]),
     ({"inputs": "x", "parameters": {"no_such_option": 1}}, ["no_such_option"]),
     ({"inputs": ["a"] * 17}, ["prompts", "at most 16"]),
 ]
@@ -73,10 +78,19 @@ OPENAI_CASES = [
     ({"prompt": [5, -1]}, ["token ids", "between 0 and"]),
     ({"prompt": []}, ["prompt", "empty list"]),
     ({"prompt": "x", "temperature": 3}, ["temperature"]),
-    ({"prompt": "x", "max_tokens": 0}, ["max_tokens"]),
+    ({"prompt": "x", "max_tokens": 0}, ["max_tokens=0", "echo"]),
+    ({"prompt": "x", "max_tokens": 0, "echo": True, "stream": True}, ["max_tokens=0", "stream"]),
     ({"prompt": "x", "n": 2, "best_of": 1}, ["best_of", "n"]),
-    ({"prompt": "x", "logprobs": 2}, ["logprobs"]),
-    ({"prompt": "x", "frequency_penalty": 0.5}, ["frequency_penalty"]),
+    ({"prompt": "x", "logprobs": 6}, ["logprobs"]),
+    ({"prompt": "x", "prompt_logprobs": 6}, ["prompt_logprobs"]),
+    ({"prompt": "x", "frequency_penalty": 2.5}, ["frequency_penalty"]),
+    ({"prompt": "x", "logit_bias": {"50257": 1.0}}, ["logit_bias", "50257", "vocabulary"]),
+    ({"prompt": "x", "logit_bias": {"a": 1.0}}, ["logit_bias", "token ids"]),
+    ({"prompt": "x", "logit_bias": {"5": 101.0}}, ["logit_bias", "-100 and 100"]),
+    ({"prompt": "x", "stop_token_ids": [-1]}, ["stop_token_ids"]),
+    ({"prompt": "x", "bad_words_ids": [list(range(9))]}, ["bad_words_ids", "1 to 8"]),
+    ({"prompt": "x", "bad_words_ids": [[]]}, ["bad_words_ids"]),
+    ({"prompt": "x", "min_p": 1.5}, ["min_p"]),
     ({"prompt": "x", "stream": True, "n": 1, "best_of": 2}, ["best_of", "streamed"]),
     ({"prompt": "x", "stop": ["1", "2", "3", "4", "5"]}, ["stop", "at most 4"]),
     ({"prompt": LONG_TEXT, "max_tokens": 1}, ["128-token context"]),
@@ -157,7 +171,8 @@ def test_openapi_documents_every_route(client):
     assert client.get("/docs").status_code == 200
     paths = client.get("/openapi.json").json()["paths"]
     for path in ("/generate", "/generate_stream", "/", "/v1/completions", "/v1/models", "/health", "/info",
-                 "/tokenize", "/metrics", "/analyze/spectrum"):
+                 "/tokenize", "/detokenize", "/tokenizer_info", "/metrics", "/analyze/spectrum",
+                 "/analyze/attention", "/analyze/logit-lens"):
         assert path in paths, path
     # The bounds are documented, not only enforced.
     top_p = client.get("/openapi.json").json()["components"]["schemas"]["TGIParameters"]["properties"]["top_p"]

@@ -1,0 +1,120 @@
+"""Each KV-cache slot's decoding controls (model/logits_processors.py) as device tables, written
+once at admission, gathered by slot each step: logit_bias, presence/frequency penalties,
+min_new_tokens with stop_token_ids, no_repeat_ngram_size, bad_words_ids, min_p, typical_p.
+
+The token history (for n-grams and bad words) and the output counts (for presence/frequency)
+are updated on the device from the step's sampled tokens, so no step copies them to or from
+the host. Tables a batch does not use are neither gathered nor updated (flags from the rows'
+SamplingParams, plain Python).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from model.logits_processors import NO_TOKEN, Controls
+from service.engine.types import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, SamplingParams
+
+
+# Columns of the float table (the order Controls.floats has).
+PRESENCE, FREQUENCY, MIN_P, TYPICAL_P = range(4)
+# Columns of the integer table.
+PROMPT_LENGTH, MIN_NEW_TOKENS, NGRAM = range(3)
+
+
+def uses_bias(p: SamplingParams) -> bool:
+    return bool(p.logit_bias)
+
+
+def uses_counts(p: SamplingParams) -> bool:
+    return p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+
+
+def uses_history(p: SamplingParams) -> bool:
+    return p.no_repeat_ngram_size > 0 or bool(p.bad_words_ids)
+
+
+def uses_min_new(p: SamplingParams) -> bool:
+    return p.min_new_tokens > 0
+
+
+def uses_warpers(p: SamplingParams) -> bool:
+    # transformers applies min_p and typical_p only when sampling.
+    return p.do_sample and (p.min_p > 0.0 or p.typical_p < 1.0)
+
+
+class SlotControls:
+    def __init__(self, max_slots: int, vocab_size: int, max_len: int, eos_token_id: int, device: torch.device) -> None:
+        self.vocab_size = vocab_size
+        self.eos_token_id = eos_token_id
+        self.device = device
+        self._floats = torch.zeros(max_slots, 4, device=device)  # [slots, 4]
+        self._floats[:, TYPICAL_P] = 1.0
+        self._ints = torch.zeros(max_slots, 3, dtype=torch.long, device=device)  # [slots, 3]
+        self._bias = torch.zeros(max_slots, vocab_size, device=device)  # [slots, V]
+        self._counts = torch.zeros(max_slots, vocab_size, dtype=torch.int32, device=device)  # [slots, V]
+        self._stop = torch.zeros(max_slots, vocab_size, dtype=torch.bool, device=device)  # [slots, V]
+        self._history = torch.zeros(max_slots, max_len, dtype=torch.long, device=device)  # [slots, L]
+        self._bad = torch.full((max_slots, MAX_BAD_WORDS, MAX_BAD_WORD_TOKENS), NO_TOKEN, dtype=torch.long, device=device)
+        self._tables = (self._floats, self._ints, self._bias, self._counts, self._stop, self._history, self._bad)
+
+    def write(self, slot: int, p: SamplingParams, prompt_ids: list[int]) -> None:
+        self._floats[slot] = torch.tensor(
+            [p.presence_penalty, p.frequency_penalty, p.min_p, p.typical_p], device=self.device
+        )
+        self._ints[slot] = torch.tensor([len(prompt_ids), p.min_new_tokens, p.no_repeat_ngram_size], device=self.device)
+        # Bias and bad words are gathered for every row of a batch where any row uses them, so a
+        # slot's previous request must leave nothing behind: reset whether this one uses them or not.
+        self._bias[slot] = 0.0
+        if uses_bias(p):
+            ids, values = zip(*p.logit_bias)
+            self._bias[slot, torch.tensor(ids, device=self.device)] = torch.tensor(values, device=self.device)
+        if uses_counts(p):
+            self._counts[slot] = 0
+        if uses_min_new(p):
+            stops = list(p.stop_token_ids) + ([] if p.ignore_eos else [self.eos_token_id])
+            self._stop[slot] = False
+            if stops:
+                self._stop[slot, torch.tensor(stops, device=self.device)] = True
+        if uses_history(p):
+            self._history[slot, : len(prompt_ids)] = torch.tensor(prompt_ids, device=self.device)
+        # Right-aligned: [NO_TOKEN..., w0, w1, ..., last]
+        table = torch.full((MAX_BAD_WORDS, MAX_BAD_WORD_TOKENS), NO_TOKEN, dtype=torch.long)
+        for row, word in enumerate(p.bad_words_ids):
+            table[row, MAX_BAD_WORD_TOKENS - len(word) :] = torch.tensor(word)
+        self._bad[slot] = table.to(self.device)
+
+    def move(self, src: int, dst: int) -> None:
+        for table in self._tables:
+            table[dst] = table[src]
+
+    def gather(self, slots: torch.Tensor, counters: torch.Tensor, params: list[SamplingParams]) -> Controls | None:
+        """Controls of the rows using `slots` [B] holding `counters` [B] tokens; None if no row has any."""
+        bias, counts, history, min_new = (any(f(p) for p in params) for f in (uses_bias, uses_counts, uses_history, uses_min_new))
+        warpers = any(uses_warpers(p) for p in params)
+        if not (bias or counts or history or min_new or warpers):
+            return None
+        ints = self._ints[slots]  # [B, 3]
+        return Controls(
+            bias=self._bias[slots] if bias else None,
+            counts=self._counts[slots] if counts else None,
+            floats=self._floats[slots],
+            new_tokens=counters - ints[:, PROMPT_LENGTH] if min_new else None,
+            min_new_tokens=ints[:, MIN_NEW_TOKENS] if min_new else None,
+            stop_tokens=self._stop[slots] if min_new else None,
+            history=self._history[slots] if history else None,
+            lengths=counters if history else None,
+            ngram=ints[:, NGRAM] if history else None,
+            max_ngram=max(p.no_repeat_ngram_size for p in params),
+            bad=self._bad[slots] if history and any(p.bad_words_ids for p in params) else None,
+            warpers=warpers,
+        )
+
+    def record(self, controls: Controls | None, slots: torch.Tensor, counters: torch.Tensor, tokens: torch.Tensor) -> None:
+        """The step's sampled tokens [B] join the counts and histories that its rows use."""
+        if controls is None:
+            return
+        if controls.counts is not None:
+            self._counts[slots, tokens] += 1
+        if controls.history is not None:
+            self._history[slots, counters] = tokens
