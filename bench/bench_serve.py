@@ -34,7 +34,7 @@ import torch
 from bench.common import describe_machine, load_both
 from service.engine.types import GenerationRequest, SamplingParams
 from service.inprocess import Engine, EngineConfig
-from tests.processes import STARTUP_TIMEOUT_S, clean_env, free_port
+from tests.processes import STARTUP_TIMEOUT_S, clean_env, cpu_seconds, engine_core_pid, free_port
 from weights.tokenizer import GPT2Tokenizer
 
 WORDS = "the model reads a prompt and writes tokens one at a time while other clients wait".split()
@@ -56,6 +56,12 @@ class ClientStats:
     tokens: int = 0
     ttft: list[float] = field(default_factory=list)
     itl: list[float] = field(default_factory=list)
+    seconds: float = 0.0
+    # CPU seconds each process spent on this run: where a served token's cost goes.
+    cpu: dict[str, float] = field(default_factory=dict)
+
+    def cpu_ms_per_token(self, process: str) -> float:
+        return self.cpu[process] / max(self.tokens, 1) * 1e3
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -121,7 +127,17 @@ async def stream_one(http: httpx.AsyncClient, url: str, text: str, new_tokens: i
             stats.tokens += 1
 
 
-async def drive_clients(url: str, texts: list[str], clients: int, per_client: int, new_tokens: int) -> tuple[ClientStats, float]:
+def serve_clients(server: Server, texts: list[str], clients: int, per_client: int, new_tokens: int) -> ClientStats:
+    """drive_clients, with the CPU time of the HTTP process, the engine core and these clients."""
+    pids = {"http": server.process.pid, "core": engine_core_pid(server.process.pid)}
+    before = {name: cpu_seconds(pid) for name, pid in pids.items()} | {"clients": time.process_time()}
+    stats = asyncio.run(drive_clients(server.url, texts, clients, per_client, new_tokens))
+    after = {name: cpu_seconds(pid) for name, pid in pids.items()} | {"clients": time.process_time()}
+    stats.cpu = {name: after[name] - before[name] for name in before}
+    return stats
+
+
+async def drive_clients(url: str, texts: list[str], clients: int, per_client: int, new_tokens: int) -> ClientStats:
     stats = ClientStats()
     limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=clients + 4)
     async with httpx.AsyncClient(limits=limits, timeout=600) as http:
@@ -132,16 +148,18 @@ async def drive_clients(url: str, texts: list[str], clients: int, per_client: in
 
         start = time.perf_counter()
         await asyncio.gather(*(client(i) for i in range(clients)))
-        return stats, time.perf_counter() - start
+        stats.seconds = time.perf_counter() - start
+        return stats
 
 
 # --- the references -------------------------------------------------------------------------------
-def engine_direct(engine: Engine, prompts: list[list[int]], clients: int, per_client: int, new_tokens: int) -> float:
-    """tok/s of the in-process engine, C requests in flight at a time as the clients kept them."""
+def engine_direct(engine: Engine, prompts: list[list[int]], clients: int, per_client: int, new_tokens: int) -> tuple[float, float]:
+    """tok/s of the in-process engine, C requests in flight at a time as the clients kept them,
+    and its CPU ms per token."""
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
     pending = [GenerationRequest(f"direct-{i}", prompts[i % len(prompts)], params, time.monotonic())
                for i in range(clients * per_client)]
-    start, tokens = time.perf_counter(), 0
+    start, cpu_start, tokens = time.perf_counter(), time.process_time(), 0
     engine.submit(pending[:clients])
     next_index = clients
     while engine.has_work():
@@ -151,7 +169,7 @@ def engine_direct(engine: Engine, prompts: list[list[int]], clients: int, per_cl
             if next_index < len(pending):
                 engine.submit([pending[next_index]])
                 next_index += 1
-    return tokens / (time.perf_counter() - start)
+    return tokens / (time.perf_counter() - start), (time.process_time() - cpu_start) / max(tokens, 1) * 1e3
 
 
 def transformers_static(reference, prompts: list[list[int]], batch: int, total: int, new_tokens: int, pad: int, device: str) -> float:
@@ -200,8 +218,7 @@ def main() -> None:
         server.wait_ready()
         # One short request first: the server's own first-request costs are not throughput.
         asyncio.run(drive_clients(server.url, texts, 1, 1, 4))
-        served = {c: asyncio.run(drive_clients(server.url, texts, c, args.requests_per_client, args.new_tokens))
-                  for c in args.clients}
+        served = {c: serve_clients(server, texts, c, args.requests_per_client, args.new_tokens) for c in args.clients}
     finally:
         server.stop()
 
@@ -214,13 +231,16 @@ def main() -> None:
           f"{args.requests_per_client} request(s) per client\n")
     header = f"{'clients':>7s} {'served tok/s':>13s} {'engine tok/s':>13s} {'served/engine':>14s} {'HF tok/s':>10s} {'served/HF':>10s} {'TTFT p50/p99 ms':>17s} {'ITL p50/p99 ms':>16s}"
     print(header)
+    cpu_rows = []
     with torch.inference_mode():
         for clients in args.clients:
-            stats, seconds = served[clients]
-            served_rate = stats.tokens / seconds
+            stats = served[clients]
+            served_rate = stats.tokens / stats.seconds
             engine = Engine(ours, tokenizer, EngineConfig(max_slots=slots, max_len=max_len))
             engine_direct(engine, prompts, min(clients, 2), 1, 4)  # warm-up
-            direct = engine_direct(engine, prompts, clients, args.requests_per_client, args.new_tokens)
+            direct, direct_cpu = engine_direct(engine, prompts, clients, args.requests_per_client, args.new_tokens)
+            cpu_rows.append(f"{clients:7d} {stats.cpu_ms_per_token('http'):8.2f} {stats.cpu_ms_per_token('core'):8.2f} "
+                            f"{stats.cpu_ms_per_token('clients'):8.2f} {direct_cpu:14.2f}")
             hf = None
             if not args.no_reference:
                 batch = args.reference_batch or (clients if args.device == "cuda" else min(clients, 8))
@@ -230,6 +250,10 @@ def main() -> None:
             itl = f"{percentile(stats.itl, .5) * 1e3:.1f}/{percentile(stats.itl, .99) * 1e3:.1f}"
             hf_text = f"{hf:10.1f} {served_rate / hf:9.2f}x" if hf else f"{'':10s} {'':10s}"
             print(f"{clients:7d} {served_rate:13.1f} {direct:13.1f} {served_rate / direct:13.2f}x {hf_text} {ttft:>17s} {itl:>16s}")
+    print("\nCPU ms per generated token (all threads): served by the HTTP process, its engine core, the clients;")
+    print("and the engine called directly (the same work in one process, nothing else running)")
+    print(f"{'clients':>7s} {'http':>8s} {'core':>8s} {'clients':>8s} {'engine direct':>14s}")
+    print("\n".join(cpu_rows))
     print(f"\n{describe_machine()}")
 
 

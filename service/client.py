@@ -163,7 +163,7 @@ class EngineClient:
     def submit(self, requests: list[GenerationRequest]) -> list[asyncio.Queue]:
         """Queue requests; raises ValueError (422), QueueFull (429) or EngineStopped (503)."""
         if self._closed or not self.running:
-            raise EngineStopped("the engine is shutting down" if self._closed else "the engine is not running")
+            raise EngineStopped("the server is shutting down" if self._closed else "the engine core is not running")
         engine = self.config.engine
         for request in requests:
             validate_request(request, self.max_len, engine.max_slots)

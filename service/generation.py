@@ -58,7 +58,7 @@ class Generations:
         except QueueFull as exc:
             raise overloaded_error(f"too many requests waiting ({exc}); retry later", self.retry_after_seconds) from exc
         except EngineStopped as exc:
-            raise ApiError(503, "overloaded", f"the server is shutting down: {exc}", {"Retry-After": "5"}) from exc
+            raise ApiError(503, "overloaded", f"{exc}; retry on another replica", {"Retry-After": "5"}) from exc
         except ValueError as exc:
             raise validation_error(str(exc)) from exc
         return CallStreams([Stream(r, q) for r, q in zip(requests, queues)])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+from pathlib import Path
 
 STARTUP_TIMEOUT_S = 120  # a busy shared CPU can take long to import torch; never hang past this
 
@@ -17,3 +18,22 @@ def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
+
+
+def engine_core_pid(server_pid: int) -> int:
+    """The server's engine core: its child process started by multiprocessing's spawn."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            command = (stat.parent / "cmdline").read_bytes()
+        except (OSError, ValueError, IndexError):
+            continue  # a process that ended while we looked
+        if parent == server_pid and b"spawn_main" in command:
+            return int(stat.parent.name)
+    raise LookupError(f"process {server_pid} has no engine core process")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time a process has used so far (/proc/PID/stat)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")

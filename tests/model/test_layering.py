@@ -49,3 +49,19 @@ def test_scan_sees_imports(tmp_path):
         "from . import sibling\n"
     )
     assert imported_modules(sample) == {"transformers.models", "transformers"}
+
+
+HTTP_LIBRARIES = {"fastapi", "starlette", "uvicorn", "h11", "httpx"}
+
+
+def test_engine_core_imports_nothing_of_the_http_side():
+    # The engine core runs in its own process: it must load without the HTTP stack, and only
+    # token ids cross between the two (service/engine/protocol.py).
+    offenders = {}
+    for path in sorted((REPO / "service" / "engine").rglob("*.py")):
+        modules = imported_modules(path)
+        bad = {m for m in modules if m.startswith("service.") and not m.startswith("service.engine")}
+        bad |= {m for m in modules if m == "service" or m.split(".")[0] in HTTP_LIBRARIES}
+        if bad:
+            offenders[str(path.relative_to(REPO))] = sorted(bad)
+    assert not offenders, f"the engine core imports the HTTP side: {offenders}"

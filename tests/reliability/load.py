@@ -36,7 +36,7 @@ LEAVING = {"leave_stream", "leave_plain"}
 class Outcome:
     kind: str
     status: int | None  # None: no HTTP status (left on purpose, or refused)
-    verdict: str  # complete | error_shape | left | refused | lost | malformed
+    verdict: str  # complete | error_shape | error_event | left | refused | lost | malformed
     seconds: float
 
 
@@ -93,21 +93,31 @@ def well_formed_error(response: httpx.Response) -> bool:
     return isinstance(body, dict) and isinstance(body.get("error"), str) and isinstance(body.get("error_type"), str)
 
 
-def stream_complete(kind: str, lines: list[str]) -> bool:
+def stream_verdict(kind: str, lines: list[str]) -> str:
+    """complete, error_event (ended by a well-formed error event: the 200 was already sent when
+    generation failed), or malformed."""
     events = [line[5:].strip() for line in lines if line.startswith("data:")]
     if not events:
-        return False
+        return "malformed"
+    if events[-1] != "[DONE]":
+        try:
+            last = json.loads(events[-1])
+        except ValueError:
+            return "malformed"
+        if isinstance(last.get("error"), str) and isinstance(last.get("error_type"), str):
+            return "error_event"
     if kind == "completion_stream":
-        return events[-1] == "[DONE]" and any('"finish_reason": "' in e for e in events)
-    last = json.loads(events[-1])
-    return last.get("generated_text") is not None and "error" not in last
+        complete = events[-1] == "[DONE]" and any('"finish_reason": "' in e for e in events)
+    else:
+        complete = json.loads(events[-1]).get("generated_text") is not None
+    return "complete" if complete else "malformed"
 
 
 def judge(kind: str, status: int, text: str) -> str:
     if status != 200:
         return "error_shape" if well_formed_error(httpx.Response(status, content=text.encode())) else "malformed"
     if kind.endswith("_stream"):
-        return "complete" if stream_complete(kind, text.splitlines()) else "malformed"
+        return stream_verdict(kind, text.splitlines())
     try:
         json.loads(text)
     except ValueError:

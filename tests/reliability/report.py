@@ -68,11 +68,13 @@ def render(results: dict[str, dict]) -> str:
         lines += [f"Run: {checks['machine']}, {checks['seconds']:.0f} s, pytest exit code {checks['exit_code']}.", ""]
     lines += ["## Load and faults", "",
               "Verdicts: *complete* (a whole answer, streams to their last event), *error_shape* (a JSON",
-              "`{error, error_type}`), *left* (the client left on purpose), *refused* (no connection: the server",
-              "had exited after SIGTERM), *lost* / *malformed* (must be 0). p50/p99: complete answers.", "",
+              "`{error, error_type}`), *error_event* (a stream already answered 200 ended by such an error",
+              "event), *left* (the client left on purpose), *refused* (no connection: the server had exited",
+              "after SIGTERM), *lost* / *malformed* (must be 0). p50/p99: complete answers.", "",
               "| run | requests | concurrency | statuses | verdicts | p50 / p99 | server memory (RSS) | faults | held |",
               "|---|---|---|---|---|---|---|---|---|"]
-    for name, title in (("load", "mixed load"), ("sigterm", "SIGTERM mid-load"), ("load_soak", "soak")):
+    for name, title in (("load", "mixed load"), ("sigterm", "SIGTERM mid-load"),
+                        ("killed_core", "engine core killed mid-load"), ("load_soak", "soak")):
         if name in results:
             lines.append(load_row(title, results[name]))
     if "fuzz" in results:

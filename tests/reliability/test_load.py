@@ -1,6 +1,6 @@
 """Hundreds of concurrent mixed requests against a live `python -m service` on loopback, with
-invalid requests, clients that leave mid-answer, an overfull queue, and SIGTERM in the middle:
-nothing is lost (every request gets a complete answer or a well-formed error), the server's
+invalid requests, clients that leave mid-answer, an overfull queue, SIGTERM in the middle, and
+the engine core process killed in the middle: nothing is lost (every request gets a complete answer or a well-formed error), the server's
 counters equal what the clients saw, and memory growth is stated.
 
 RELIABILITY_SOAK=1 runs the longer soak (thousands of requests) instead of the CI size."""
@@ -25,6 +25,7 @@ pytestmark = pytest.mark.slow
 SOAK = os.environ.get("RELIABILITY_SOAK") == "1"
 REQUESTS, CONCURRENCY = (5000, 64) if SOAK else (400, 48)
 SIGTERM_REQUESTS, SIGTERM_CONCURRENCY = (1000, 64) if SOAK else (200, 32)
+KILL_REQUESTS, KILL_CONCURRENCY = (1000, 64) if SOAK else (200, 32)
 # A small engine, so the load overfills it: 429s are part of the mix.
 ENGINE = {"max_batch_size": 4, "max_waiting": 8}
 
@@ -106,3 +107,29 @@ def test_sigterm_mid_load_loses_nothing(tiny_model_dir):
         assert verdicts["lost"] == 0 and verdicts["malformed"] == 0, verdicts
         assert set(statuses) <= {"200", "422", "429", "503", "None"}, statuses
         assert statuses["503"] > 0 or verdicts["refused"] > 0, "the signal came after the load"
+
+
+def test_killed_engine_core_mid_load_fails_every_request_at_once(tiny_model_dir):
+    """SIGKILL of the engine core process (an out-of-memory kill, a crash in a kernel): requests
+    in flight end with a well-formed error (a 500, or an error event on a stream already
+    answered 200), later ones get 503, /health says 503; no request hangs or is cut."""
+    with live_server(tiny_model_dir, **ENGINE) as server:
+        core = server.engine_core_pid()
+        killed = threading.Event()
+
+        def progress(done: int) -> None:
+            if done >= KILL_REQUESTS // 3 and not killed.is_set():
+                killed.set()
+                os.kill(core, signal.SIGKILL)
+
+        result = asyncio.run(run_load(server.url, KILL_REQUESTS, KILL_CONCURRENCY, seed=3, on_progress=progress))
+        verdicts, statuses = result.verdicts(), result.statuses()
+        record("killed_core", summary(result, concurrency=KILL_CONCURRENCY,
+                                      faults=f"engine core SIGKILLed after {KILL_REQUESTS // 3} answers"))
+        print(summary(result))
+        assert killed.is_set()
+        assert verdicts["lost"] == 0 and verdicts["malformed"] == 0 and verdicts["refused"] == 0, verdicts
+        assert set(statuses) <= {"200", "422", "429", "500", "503", "None"}, statuses
+        assert statuses["503"] > 0, "requests after the kill were not refused as unavailable"
+        assert server.get("/health").status_code == 503
+        assert server.process.poll() is None, "the HTTP process must outlive its engine core"

@@ -18,7 +18,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import REPO
-from tests.processes import STARTUP_TIMEOUT_S, clean_env, free_port
+from tests.processes import STARTUP_TIMEOUT_S, clean_env, engine_core_pid, free_port
 
 WAIT_S = 60  # every wait for the server to reach a state is bounded by this
 
@@ -40,6 +40,9 @@ class LiveServer:
 
     def get(self, path: str) -> httpx.Response:
         return httpx.get(self.url + path, timeout=30)
+
+    def engine_core_pid(self) -> int:
+        return engine_core_pid(self.process.pid)
 
     def slots_used(self) -> int:
         return self.get("/info").json()["kv_cache"]["slots_used"]

@@ -8,7 +8,6 @@ import os
 import signal
 import threading
 from contextlib import ExitStack
-from pathlib import Path
 
 import httpx
 import pytest
@@ -128,25 +127,12 @@ def test_sigterm_drains_in_flight_requests(long_model_dir):
         assert "Application shutdown complete" in log
 
 
-def engine_core_pid(server_pid: int) -> int:
-    """The server's engine core: its child process started by multiprocessing's spawn."""
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-            command = (stat.parent / "cmdline").read_bytes()
-        except (OSError, ValueError, IndexError):
-            continue  # a process that ended while we looked
-        if parent == server_pid and b"spawn_main" in command:
-            return int(stat.parent.name)
-    raise AssertionError("the server has no engine core process")
-
-
 def test_a_killed_engine_core_fails_open_requests_at_once_and_health_turns_503(long_model_dir):
     with live_server(long_model_dir, max_batch_size=2) as server, ExitStack() as stack:
         client = stack.enter_context(httpx.Client(base_url=server.url, timeout=WAIT_S))
         stream = OpenStream(stack, client, "A story that goes on")
         assert stream.first_event()["index"] == 1
-        os.kill(engine_core_pid(server.process.pid), signal.SIGKILL)
+        os.kill(server.engine_core_pid(), signal.SIGKILL)
         # The open stream ends with an error event instead of hanging.
         last = [json.loads(line[5:]) for line in stream.lines if line.startswith("data:")][-1]
         assert last["error_type"] == "generation" and "engine core" in last["error"], last
