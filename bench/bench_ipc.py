@@ -1,4 +1,4 @@
-"""The engine core's IPC, measured: ZeroMQ + msgspec (what service/client.py uses) against
+"""The engine core's IPC, measured: ZeroMQ + msgspec (what service/http/client.py uses) against
 multiprocessing's Pipe with pickle, for one step's CoreOutput of 1, 32 and 256 tokens.
 
     .venv/bin/python -m bench.bench_ipc

@@ -32,6 +32,7 @@ import httpx
 import torch
 
 from bench.common import describe_machine, load_both
+from model.config import DTYPES
 from service.engine.types import GenerationRequest, SamplingParams
 from service.inprocess import Engine, EngineConfig
 from tests.processes import STARTUP_TIMEOUT_S, clean_env, cpu_seconds, engine_core_pid, free_port
@@ -208,7 +209,7 @@ def main() -> None:
     args = parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
+    dtype = DTYPES[args.dtype]
     slots = max(args.clients)
     texts = prompt_texts(max(slots, 17), args.prompt_words)
     tokenizer = GPT2Tokenizer.from_dir(args.model_dir)

@@ -6,6 +6,11 @@ import json
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
+import torch
+
+# The dtypes a model may run in, by the names settings and command lines use.
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
 
 @dataclass(frozen=True)
 class GPT2Config:

@@ -11,7 +11,7 @@ import sys
 import torch
 from pydantic import ValidationError
 
-from service.request_guards import default_allowed_hosts
+from service.http.request_guards import default_allowed_hosts
 from service.settings import Settings
 from weights.checkpoint import CheckpointError
 
@@ -39,8 +39,8 @@ def main(argv: list[str] | None = None) -> None:
         settings = settings.model_copy(update={"allowed_hosts": default_allowed_hosts(settings.host)})
     if settings.device == "cuda" and not torch.cuda.is_available():
         sys.exit(f"cannot start: --device cuda, but this torch ({torch.__version__}) sees no CUDA device")
-    from service.app import create_app
-    from service.http_server import serve
+    from service.http.app import create_app
+    from service.http.server import serve
 
     try:
         app = create_app(settings)

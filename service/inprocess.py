@@ -1,6 +1,6 @@
 """The engine core and the output processor in one process, stepped by the caller.
 
-What the server splits across two processes (service/client.py), joined for tests, benchmarks
+What the server splits across two processes (service/http/client.py), joined for tests, benchmarks
 and scripts that want text without a server:
 
     engine = Engine(model, tokenizer, EngineConfig(max_slots=8))
@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from model.gpt2 import GPT2
 from service.engine.core import EngineConfig, EngineCore
 from service.engine.types import FinishedRequest, GenerationRequest, RequestFailed, StepStats, TokenEvent
-from service.outputs import OutputProcessor
+from service.http.outputs import OutputProcessor
 from weights.tokenizer import GPT2Tokenizer
 
 __all__ = ["Engine", "EngineConfig", "StepOutput"]

@@ -9,7 +9,7 @@ import torch
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from model.config import DTYPES
 
 
 class Settings(BaseSettings):
@@ -44,7 +44,7 @@ class Settings(BaseSettings):
     api_key: SecretStr | None = Field(None, description="if set, bearer token required on all but /health, /metrics")
     drain_seconds: float = Field(30.0, ge=0, description="on SIGTERM, how long in-flight requests may finish")
     retry_after_seconds: int = Field(1, ge=0, le=3600, description="Retry-After sent with 429")
-    # Against idle, slow and flooding clients (service/http_server.py).
+    # Against idle, slow and flooding clients (service/http/server.py).
     max_connections: int = Field(1000, ge=1, description="open connections; one more closes the oldest idle one")
     keep_alive_seconds: int = Field(5, ge=1, le=3600, description="an idle kept-alive connection is closed after this")
     header_timeout_seconds: float = Field(10.0, gt=0, le=3600, description="a request's headers must arrive within this")

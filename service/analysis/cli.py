@@ -18,7 +18,7 @@ from pathlib import Path
 from model.spectral import METHODS
 from service.analysis.figure import FigureUnavailable, check_available, render_svg
 from service.analysis.report import check_request, combined, encode, load_subject, reports
-from service.settings import DTYPES
+from model.config import DTYPES
 from weights.checkpoint import CheckpointError
 
 CSV_COLUMN = "token_sequence"

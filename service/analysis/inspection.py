@@ -21,8 +21,8 @@ from starlette.concurrency import run_in_threadpool
 from model.introspect import attention_maps, logit_lens
 from service.analysis.figure import SVG_MEDIA_TYPE
 from service.analysis.routes import ERRORS, analysis_gate
-from service.errors import overloaded_error, validation_error
-from service.state import ServiceState, service_state
+from service.http.errors import overloaded_error, validation_error
+from service.http.state import ServiceState, service_state
 
 router = APIRouter(tags=["Analysis"])
 

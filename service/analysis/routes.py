@@ -26,9 +26,9 @@ from model.analysis import check_layers
 from service.analysis.figure import SVG_MEDIA_TYPE, FigureUnavailable, check_available, render_svg
 from service.analysis.report import Subject, check_request, combined, encode, reports
 from service.analysis.startup import compare_subject
-from service.errors import overloaded_error, validation_error
-from service.schemas import Text
-from service.state import service_state
+from service.http.errors import overloaded_error, validation_error
+from service.http.schemas import Text
+from service.http.state import service_state
 
 router = APIRouter(tags=["Analysis"])
 

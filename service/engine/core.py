@@ -7,7 +7,7 @@
 - postprocess: append token ids, check EOS and length, free finished slots, report one CoreStep.
 
 Token ids only: text, stop strings and response assembly belong to the HTTP side
-(service/outputs.py), so the core's per-step Python work is a few list operations per row.
+(service/http/outputs.py), so the core's per-step Python work is a few list operations per row.
 No HTTP, no asyncio, no IPC here: service/engine/process.py runs it in its own process, and a
 test drives `step()` directly (or through service/inprocess.py, with text).
 """

@@ -1,6 +1,6 @@
 """The engine core's process: load the model, then step in this process's main thread.
 
-Started by service/client.py (multiprocessing, spawn). The loop, as vLLM V1's EngineCore:
+Started by service/http/client.py (multiprocessing, spawn). The loop, as vLLM V1's EngineCore:
 take every message waiting (blocking only while idle), run one step, send its CoreOutput.
 The HTTP process owns shutdown: SIGINT and SIGTERM are ignored here (a Ctrl-C or a container
 stop reaches the whole process group, and the HTTP side then drains us with a Shutdown message),
@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 import zmq
 
+from model.config import DTYPES
 from service.engine.core import EngineConfig, EngineCore
 from service.engine.protocol import (
     AbortRequests,
@@ -42,7 +43,7 @@ IDLE_POLL_MS = 500
 class CoreProcessConfig:
     model_dir: Path
     device: str
-    dtype: str  # a key of service.settings.DTYPES
+    dtype: str  # a key of model.config.DTYPES
     threads: int | None
     engine: EngineConfig
     eos_token_id: int
@@ -75,8 +76,6 @@ def run_core(config: CoreProcessConfig) -> None:
 
 
 def build_core(config: CoreProcessConfig) -> EngineCore:
-    # Imported here: the settings module pulls pydantic, which the core does not otherwise need.
-    from service.settings import DTYPES
     from weights.checkpoint import load_model
 
     if config.threads:

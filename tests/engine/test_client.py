@@ -12,7 +12,7 @@ import signal
 
 import pytest
 
-from service.client import EngineClient
+from service.http.client import EngineClient
 from service.engine.core import EngineConfig
 from service.engine.process import CoreProcessConfig
 from service.engine.types import (

@@ -17,7 +17,7 @@ from tests.service.live import WAIT_S, live_server, wait_until
 pytestmark = pytest.mark.slow
 
 IDLE_CONNECTIONS = 600  # more than the server may hold, and than its descriptors allow
-OPEN_FILES = 512  # the cap (50) plus the server's spare descriptors (service/http_server.py) fit
+OPEN_FILES = 512  # the cap (50) plus the server's spare descriptors (service/http/server.py) fit
 MAX_CONNECTIONS = 50
 
 

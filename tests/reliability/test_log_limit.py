@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from service.log_limit import RepeatLimitFilter
+from service.http.log_limit import RepeatLimitFilter
 
 
 def record(msg: str, *args) -> logging.LogRecord:

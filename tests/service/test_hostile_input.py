@@ -93,7 +93,7 @@ def test_temperatures_that_underflow_are_refused(client, path, body):
 
 
 def test_the_smallest_temperature_allowed_gives_finite_probabilities(client):
-    from service.schemas import MIN_TEMPERATURE
+    from service.http.schemas import MIN_TEMPERATURE
 
     body = {"inputs": "Hello there", "parameters": {"max_new_tokens": 4, "temperature": MIN_TEMPERATURE,
                                                     "details": True, "seed": 1}}

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import service.http_server
+import service.http.server
 from service.__main__ import main
 
 
@@ -19,7 +19,7 @@ def never_serve(*args, **kwargs):
 
 def start(*argv: str) -> str:
     with pytest.MonkeyPatch.context() as patch, pytest.raises(SystemExit) as stopped:
-        patch.setattr(service.http_server, "serve", never_serve)
+        patch.setattr(service.http.server, "serve", never_serve)
         main([*argv])
     message = stopped.value.code
     assert isinstance(message, str), f"exited with {message!r}, not a message"

@@ -187,12 +187,12 @@ def test_bad_checkpoint_message_names_file_and_tensor(tmp_path, breakage):
 @pytest.mark.parametrize("breakage", BREAKAGES, ids=[b.name for b in BREAKAGES])
 def test_service_main_exits_with_the_message(tmp_path, monkeypatch, breakage):
     import service.__main__ as entry
-    import service.http_server
+    import service.http.server
 
     def serve(*args, **kwargs):
         raise AssertionError("the service started on a bad checkpoint")
 
-    monkeypatch.setattr(service.http_server, "serve", serve)  # a regression must fail, not hang here
+    monkeypatch.setattr(service.http.server, "serve", serve)  # a regression must fail, not hang here
     model_dir, _ = broken_model(tmp_path, breakage)
     message = load_error(model_dir)
     with pytest.raises(SystemExit) as caught:

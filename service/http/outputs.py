@@ -11,7 +11,7 @@ FinishedRequest per request. It is the one owner of finishing a request:
   whose later tokens for it are ignored;
 - the client left (`abort`): the request finishes now with what it has, as "cancelled".
 
-Plain Python, no asyncio: service/client.py runs it on the event loop, service/inprocess.py
+Plain Python, no asyncio: service/http/client.py runs it on the event loop, service/inprocess.py
 beside an in-process core for tests and benchmarks.
 """
 
@@ -32,7 +32,7 @@ from service.engine.types import (
     TokenEvent,
     TopLogprobs,
 )
-from service.text_stream import TextStream
+from service.http.text_stream import TextStream
 from weights.tokenizer import GPT2Tokenizer
 
 

@@ -1,5 +1,5 @@
 """Log configuration for the server process: text or one JSON object per line (--log-format),
-each line naming the request it was written for (X-Request-Id, service/request_context.py).
+each line naming the request it was written for (X-Request-Id, service/http/request_context.py).
 
 Handed to uvicorn as its log_config, so its own loggers (uvicorn.error, uvicorn.access) and the
 service's share the format.
@@ -11,7 +11,7 @@ import json
 import logging
 import time
 
-from service.request_context import request_id
+from service.http.request_context import request_id
 
 
 class RequestIdFilter(logging.Filter):

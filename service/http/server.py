@@ -32,10 +32,10 @@ import uvicorn
 from fastapi import FastAPI
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from service.drain import Drain
-from service.logs import log_config
-from service.errors import error_body
-from service.log_limit import limit_repeated_lines
+from service.http.drain import Drain
+from service.http.logs import log_config
+from service.http.errors import error_body
+from service.http.log_limit import limit_repeated_lines
 from service.settings import Settings
 
 logger = logging.getLogger("uvicorn.error")

@@ -13,7 +13,7 @@ import ipaddress
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from service.errors import error_response
+from service.http.errors import error_response
 
 # Names a browser on this machine uses for a server bound to loopback.
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "[::1]")

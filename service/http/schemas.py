@@ -1,7 +1,7 @@
 """Request and response bodies: TGI's /generate family, OpenAI's /v1/completions, /tokenize, /info.
 
 Every request field has bounds here. Limits that depend on the deployment (settings) or on the
-prompt's token count are checked at admission (service/admission.py), where both are known.
+prompt's token count are checked at admission (service/http/admission.py), where both are known.
 """
 
 from __future__ import annotations

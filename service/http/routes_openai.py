@@ -13,7 +13,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
-from service.admission import (
+from service.http.admission import (
     Prompt,
     check_count,
     check_lengths,
@@ -23,15 +23,15 @@ from service.admission import (
     prompts_from_ids,
     tokenize_texts,
 )
-from service.errors import ApiError, error_body, validation_error
-from service.generation import CallStreams
-from service.metrics import set_outcome
+from service.http.errors import ApiError, error_body, validation_error
+from service.http.generation import CallStreams
+from service.http.metrics import set_outcome
 from service.engine.types import FinishedRequest, FinishedSequence, GenerationRequest, TokenEvent
-from service.routes_tgi import CLIENT_GONE, ERRORS
-from service.scoring import completion_logprobs, vllm_prompt_logprobs
-from service.schemas import CompletionRequest, CompletionResponse, ModelList
-from service.sse import DONE, EventStream, sse
-from service.state import ServiceState, service_state
+from service.http.routes_tgi import CLIENT_GONE, ERRORS
+from service.http.scoring import completion_logprobs, vllm_prompt_logprobs
+from service.http.schemas import CompletionRequest, CompletionResponse, ModelList
+from service.http.sse import DONE, EventStream, sse
+from service.http.state import ServiceState, service_state
 from weights.tokenizer import GPT2Tokenizer
 
 router = APIRouter(prefix="/v1", tags=["OpenAI"])

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 from starlette.requests import Request
 
-from service.client import EngineClient
-from service.errors import ApiError, overloaded_error, validation_error
-from service.metrics import Metrics, set_outcome
+from service.http.client import EngineClient
+from service.http.errors import ApiError, overloaded_error, validation_error
+from service.http.metrics import Metrics, set_outcome
 from service.engine.types import (
     EngineStopped,
     FinishedRequest,

@@ -17,20 +17,20 @@ from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
 from service.analysis.startup import prepare_analysis
-from service.api import include_routes
-from service.auth import BearerAuthMiddleware
-from service.body_limit import BodyLimitMiddleware
-from service.client import EngineClient
+from service.http.api import include_routes
+from service.http.auth import BearerAuthMiddleware
+from service.http.body_limit import BodyLimitMiddleware
+from service.http.client import EngineClient
 from service.engine.core import EngineConfig
 from service.engine.process import CoreProcessConfig
-from service.drain import Drain, DrainMiddleware
-from service.errors import install_error_handlers
-from service.generation import Generations
-from service.metrics import RequestMetricsMiddleware
-from service.request_guards import FramingMiddleware, HostAllowListMiddleware
-from service.request_context import HEADER, RequestIdMiddleware
+from service.http.drain import Drain, DrainMiddleware
+from service.http.errors import install_error_handlers
+from service.http.generation import Generations
+from service.http.metrics import RequestMetricsMiddleware
+from service.http.request_guards import FramingMiddleware, HostAllowListMiddleware
+from service.http.request_context import HEADER, RequestIdMiddleware
 from service.settings import Settings
-from service.state import ServiceState
+from service.http.state import ServiceState
 from weights.checkpoint import load_model
 from weights.prepare import read_origin
 from weights.tokenizer import GPT2Tokenizer
@@ -113,7 +113,7 @@ def create_app(settings: Settings) -> FastAPI:
         # Added last, so outermost: unauthenticated requests do no work and are not counted.
         app.add_middleware(BearerAuthMiddleware, api_key=settings.api_key.get_secret_value())
     # Outermost of all: refused on the headers alone, before auth and counting.
-    app.state.drain = Drain()  # begun by the server on SIGTERM (service/http_server.py)
+    app.state.drain = Drain()  # begun by the server on SIGTERM (service/http/server.py)
     # The engine core drains with the server, and cancels what is left a little before the server
     # gives up on open responses: those streams then end with a final event, not a cut connection.
     engine_deadline = max(0.0, settings.drain_seconds - min(1.0, settings.drain_seconds / 4))

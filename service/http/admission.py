@@ -10,9 +10,9 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from service.errors import validation_error
+from service.http.errors import validation_error
 from service.engine.types import MAX_BAD_WORD_TOKENS, GenerationRequest, SamplingParams
-from service.schemas import CompletionRequest, TGIParameters
+from service.http.schemas import CompletionRequest, TGIParameters
 from service.settings import Settings
 from weights.tokenizer import GPT2Tokenizer
 

@@ -13,15 +13,15 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
-from service.admission import Prompt, check_count, check_lengths, generation_requests, tgi_sampling, tokenize_texts
-from service.errors import ApiError, error_body, validation_error
-from service.generation import CallStreams
-from service.metrics import set_outcome
+from service.http.admission import Prompt, check_count, check_lengths, generation_requests, tgi_sampling, tokenize_texts
+from service.http.errors import ApiError, error_body, validation_error
+from service.http.generation import CallStreams
+from service.http.metrics import set_outcome
 from service.engine.types import FinishedRequest, FinishedSequence, GenerationRequest, TokenEvent
-from service.scoring import tgi_top_tokens
-from service.schemas import GenerateResponse, TGIParameters, TGIRequest
-from service.sse import EventStream, sse
-from service.state import ServiceState, service_state
+from service.http.scoring import tgi_top_tokens
+from service.http.schemas import GenerateResponse, TGIParameters, TGIRequest
+from service.http.sse import EventStream, sse
+from service.http.state import ServiceState, service_state
 from weights.tokenizer import GPT2Tokenizer
 
 router = APIRouter(tags=["TGI"])

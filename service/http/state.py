@@ -8,10 +8,10 @@ from dataclasses import dataclass, field
 from starlette.requests import Request
 
 from model.gpt2 import GPT2
-from service.admission import Limits
-from service.client import EngineClient
-from service.generation import Generations
-from service.metrics import Metrics
+from service.http.admission import Limits
+from service.http.client import EngineClient
+from service.http.generation import Generations
+from service.http.metrics import Metrics
 from service.settings import Settings
 from weights.tokenizer import GPT2Tokenizer
 

@@ -9,12 +9,12 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from service import routes_openai, routes_tgi, routes_tokenizer
+from service.http import routes_openai, routes_tgi, routes_tokenizer
 from service.analysis import inspection
 from service.analysis import routes as analysis_routes
-from service.errors import error_response
-from service.schemas import Info
-from service.state import service_state
+from service.http.errors import error_response
+from service.http.schemas import Info
+from service.http.state import service_state
 
 router = APIRouter(tags=["Service"])
 

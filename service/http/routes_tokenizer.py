@@ -19,9 +19,9 @@ from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 
-from service.errors import validation_error
-from service.schemas import MAX_TEXT_CHARS, SimpleToken, Text, TokenizeRequest
-from service.state import ServiceState, service_state
+from service.http.errors import validation_error
+from service.http.schemas import MAX_TEXT_CHARS, SimpleToken, Text, TokenizeRequest
+from service.http.state import ServiceState, service_state
 from weights.tokenizer import EOS_TEXT
 
 router = APIRouter(tags=["Tokenizer"])

@@ -2,7 +2,7 @@
 
 A pure ASGI middleware, outermost, so every answer carries the id (401, 413 and 429 included)
 and every log line written while the request is handled can name it: the id lives in a
-context variable that service/logs.py's filter reads.
+context variable that service/http/logs.py's filter reads.
 """
 
 from __future__ import annotations

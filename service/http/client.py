@@ -8,7 +8,7 @@
     await client.stop(timeout=30)              # drain: let running requests finish, then exit
 
 Everything runs on the event loop: one reader task receives the core's per-step messages, turns
-them into text and results (service/outputs.py) and hands each request's items to its queue.
+them into text and results (service/http/outputs.py) and hands each request's items to its queue.
 Admission is decided here, synchronously, so a refusal is an immediate 422 / 429 / 503: the core
 never has to answer a request with anything but tokens.
 If the core process dies, every waiting request fails at once and `running` turns False
@@ -50,7 +50,7 @@ from service.engine.types import (
     StepStats,
     TokenEvent,
 )
-from service.outputs import OutputProcessor
+from service.http.outputs import OutputProcessor
 from weights.tokenizer import GPT2Tokenizer
 
 log = logging.getLogger(__name__)
