@@ -159,7 +159,7 @@ CoreToken = tuple[str, int, int, float, FinishReason | None, TopLogprobs | None]
 
 @dataclass
 class StepStats:
-    """What one engine step did, for metrics (reported from the engine thread)."""
+    """What one engine step did, for metrics (sent with the step's output to the HTTP side)."""
 
     batch_size: int  # sequences that got a token this step
     prefill_tokens: int  # prompt tokens run this step

@@ -22,7 +22,7 @@ class RepeatLimitFilter(logging.Filter):
         super().__init__()
         self.burst, self.window_s, self.clock = burst, window_s, clock
         self._seen: dict[tuple, list] = {}  # key → [window start, let through, dropped]
-        self._lock = threading.Lock()  # the engine thread logs too
+        self._lock = threading.Lock()  # worker threads (tokenization, analysis) log too
 
     def filter(self, record: logging.LogRecord) -> bool:
         # The unformatted template: per-connection details (addresses, ports) do not make a line new.

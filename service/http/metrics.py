@@ -94,7 +94,7 @@ class Metrics:
         self.model_info.info({k: str(v) for k, v in labels.items()})
 
     def observe_step(self, stats: StepStats) -> None:
-        """The engine loop's per-step callback (called from the engine thread; the client is thread-safe)."""
+        """The engine client's per-step callback, on the event loop as each step's output arrives."""
         if stats.batch_size:
             self.batch_size.observe(stats.batch_size)
         self.requests_running.set(stats.running)

@@ -180,7 +180,7 @@ def test_openapi_documents_every_route(client):
 
 
 def test_generation_without_a_running_engine_is_503_not_a_hang(tiny_model_dir):
-    # No `with`: the lifespan that starts the engine thread never runs.
+    # No `with`: the lifespan that starts the engine core never runs.
     client = TestClient(create_app(settings_for(tiny_model_dir)))
     response = client.post("/generate", json={"inputs": "x", "parameters": {"max_new_tokens": 1}})
     assert response.status_code == 503
