@@ -2,6 +2,7 @@
 
     .venv/bin/python -m bench.bench_spectrum [--tokens 1024] [--reps 2]          # in-process
     .venv/bin/python -m bench.bench_spectrum --http [--tokens 1024] [--reps 3]   # over HTTP
+    .venv/bin/python -m bench.bench_spectrum --http --device cuda                # both on the GPU
 
 --http starts the real server (`python -m service`) on a free port, waits for /health, and POSTs
 `token_ids` to /analyze/spectrum with method=fast: the first request right after start-up is
@@ -55,12 +56,14 @@ def text_of(tokenizer: GPT2Tokenizer, tokens: int) -> list[int]:
 def document_recipe(model, ids: list[int]) -> tuple[torch.Tensor, float]:
     """σ_max per head [L, H] and the seconds its forward took, as the document's script runs."""
     started = time.perf_counter()
-    attentions = model(torch.tensor([ids]), output_attentions=True).attentions
+    attentions = model(torch.tensor([ids], device=model.device), output_attentions=True).attentions
+    if model.device.type == "cuda":
+        torch.cuda.synchronize()
     forward = time.perf_counter() - started
     sigmas = torch.stack(
         [torch.stack([torch.linalg.svdvals(head.float()).max() for head in layer[0]]) for layer in attentions]
     )  # [L, H]
-    return sigmas, forward
+    return sigmas.cpu(), forward  # .cpu() waits for the device: the time is the whole recipe
 
 
 def timed(run) -> tuple[object, float, float]:
@@ -76,17 +79,19 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--http", action="store_true", help="time the real server over HTTP")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where both the recipe and ours run")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     from transformers import AutoModel
 
-    reference = AutoModel.from_pretrained(args.model_dir, attn_implementation="eager", dtype=torch.float32).eval()
+    reference = AutoModel.from_pretrained(args.model_dir, attn_implementation="eager", dtype=torch.float32)
+    reference = reference.to(args.device).eval()
     ids = text_of(GPT2Tokenizer.from_dir(args.model_dir), args.tokens)
     if args.http:
         http_benchmark(args, reference, ids)
         return
-    ours = load_model(args.model_dir)
+    ours = load_model(args.model_dir, device=args.device)  # analyze returns host tensors: timed to the end
     config = ours.config
     print(describe_machine())
     count = config.n_layer * config.n_head
@@ -132,10 +137,10 @@ def post_json(url: str, body: dict, timeout: float = 600.0) -> dict:
 
 
 @contextmanager
-def served(model_dir: Path, threads: int | None, startup_timeout: float = 300.0) -> Iterator[str]:
+def served(model_dir: Path, threads: int | None, device: str = "cpu", startup_timeout: float = 300.0) -> Iterator[str]:
     """The real server on a free port; yields its base URL once /health answers."""
     port = free_port()
-    command = [sys.executable, "-m", "service", "--model-dir", str(model_dir), "--port", str(port)]
+    command = [sys.executable, "-m", "service", "--model-dir", str(model_dir), "--port", str(port), "--device", device]
     if threads:
         command += ["--threads", str(threads)]
     log = tempfile.TemporaryFile()
@@ -167,7 +172,7 @@ def http_benchmark(args: argparse.Namespace, reference, ids: list[int]) -> None:
     walls: dict[str, list[float]] = {"recipe": [], "http": []}
     worst = 0.0
     started = time.perf_counter()
-    with served(args.model_dir, args.threads) as base:
+    with served(args.model_dir, args.threads, args.device) as base:
         print(f"server ready in {time.perf_counter() - started:.1f} s; {len(ids)} tokens, method=fast, POST token_ids")
         report, first, _ = timed(lambda: post_json(base + "/analyze/spectrum", body))
         print(f"first request after start-up: {first:.2f} s (server: {report['seconds']})")
