@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import statistics
 import subprocess
 import sys
@@ -38,6 +37,7 @@ import torch
 
 from bench.common import describe_machine, paired_ratio
 from model.analysis import analyze
+from tests.processes import free_port
 from weights.checkpoint import load_model
 from weights.tokenizer import GPT2Tokenizer
 
@@ -122,12 +122,6 @@ def main() -> None:
         f"median: recipe {statistics.median(walls['recipe']):.2f} s, ours {statistics.median(walls['ours']):.2f} s wall;"
         f" ratio {paired_ratio(walls['recipe'], walls['ours']):.1f}x wall, {paired_ratio(cpus['recipe'], cpus['ours']):.1f}x CPU"
     )
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def post_json(url: str, body: dict, timeout: float = 600.0) -> dict:

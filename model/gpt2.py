@@ -104,6 +104,23 @@ class Block(nn.Module):
         return x, probs
 
 
+def run_blocks(
+    blocks: nn.ModuleList, x: torch.Tensor, ctx: AttentionInputs, output_hidden_states: bool
+) -> tuple[torch.Tensor, list[torch.Tensor] | None, list[torch.Tensor] | None]:
+    """x through every block; the hidden states (embeddings first) and attention probabilities
+    when asked for (ctx.want_probs)."""
+    hidden = [x] if output_hidden_states else None
+    attentions = [] if ctx.want_probs else None
+    with sdpa_kernel(ATTENTION_BACKENDS):
+        for block in blocks:
+            x, probs = block(x, ctx)
+            if hidden is not None:
+                hidden.append(x)
+            if attentions is not None:
+                attentions.append(probs)
+    return x, hidden, attentions
+
+
 @dataclass
 class ForwardOutput:
     logits: torch.Tensor  # [B, T, V], or [B, V] when logits_index picks one token per row
@@ -184,15 +201,7 @@ class GPT2(nn.Module):
         )
 
         x = self.wte(input_ids) + self.wpe(positions)  # [B, T, C]
-        hidden = [x] if output_hidden_states else None
-        attentions = [] if output_attentions else None
-        with sdpa_kernel(ATTENTION_BACKENDS):
-            for block in self.h:
-                x, probs = block(x, ctx)
-                if hidden is not None:
-                    hidden.append(x)
-                if attentions is not None:
-                    attentions.append(probs)
+        x, hidden, attentions = run_blocks(self.h, x, ctx, output_hidden_states)
         if logits_index is not None:
             x = x[torch.arange(B, device=x.device), logits_index]  # [B, C]
         logits = self.lm_head(self.ln_f(x))  # [B, T, V] or [B, V]

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from model.gpt2 import GPT2, MLP, AttentionInputs, CausalSelfAttention, ForwardOutput
+from model.gpt2 import GPT2, MLP, AttentionInputs, CausalSelfAttention, ForwardOutput, run_blocks
 from model.linear import Conv1D, linear
 
 MODEL_TYPE = "openai-gpt"
@@ -139,14 +139,7 @@ class PostLNGPT(nn.Module):
             cache=None, rows=None, want_probs=output_attentions,
         )
         x = self.tokens_embed(input_ids) + self.positions_embed(positions)  # [B, T, C]
-        hidden = [x] if output_hidden_states else None
-        attentions = [] if output_attentions else None
-        for block in self.h:
-            x, probs = block(x, ctx)
-            if hidden is not None:
-                hidden.append(x)
-            if attentions is not None:
-                attentions.append(probs)
+        x, hidden, attentions = run_blocks(self.h, x, ctx, output_hidden_states)
         if logits_index is not None:
             x = x[torch.arange(B, device=x.device), logits_index]  # [B, C]
         logits = linear(x, self.tokens_embed.weight, None, None)  # [B, T, V] or [B, V]
