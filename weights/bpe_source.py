@@ -7,25 +7,22 @@ from it are checked byte for byte against the sha256s of OpenAI's encoder.json a
 from __future__ import annotations
 
 import base64
-import hashlib
 import json
-import subprocess
-import sys
 import tarfile
 from pathlib import Path
 
+from weights.registry import fetch_sdist, sha256
+
 WHISPER_SDIST = "openai-whisper==20250625"
+WHISPER_SDIST_FILE = "openai_whisper-20250625.tar.gz"
 TIKTOKEN_MEMBER = "whisper/assets/gpt2.tiktoken"
 SHA256 = {
+    WHISPER_SDIST_FILE: "37a91a3921809d9f44748ffc73c0a55c9f366c85a3ef5c2ae0cc09540432eb96",
     "gpt2.tiktoken": "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930",
     "vocab.json": "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783",
     "merges.txt": "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5",
 }
 EOS_ID = 50256
-
-
-def sha256(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
 
 
 def _checked(name: str, data: bytes) -> bytes:
@@ -40,13 +37,7 @@ def fetch_tiktoken_ranks(cache_dir: Path) -> Path:
     target = cache_dir / "gpt2.tiktoken"
     if target.exists() and sha256(target.read_bytes()) == SHA256["gpt2.tiktoken"]:
         return target
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    subprocess.run(
-        [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-         "--quiet", "-d", str(cache_dir), WHISPER_SDIST],
-        check=True,
-    )
-    sdist = next(cache_dir.glob("openai_whisper-*.tar.gz"))
+    sdist = fetch_sdist(WHISPER_SDIST, WHISPER_SDIST_FILE, SHA256[WHISPER_SDIST_FILE], cache_dir)
     with tarfile.open(sdist) as archive:
         member = next(m for m in archive.getmembers() if m.name.endswith(TIKTOKEN_MEMBER))
         data = archive.extractfile(member).read()

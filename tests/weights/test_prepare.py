@@ -49,7 +49,7 @@ def network(monkeypatch):
     monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
     monkeypatch.setattr(socket.socket, "connect", connect)
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", download)
-    monkeypatch.setattr("weights.bpe_source.subprocess.run", pip_download)
+    monkeypatch.setattr("weights.registry.subprocess.run", pip_download)
     for var in ("HF_HUB_OFFLINE", "GPT2_OFFLINE"):
         monkeypatch.delenv(var, raising=False)
     return log
