@@ -225,7 +225,8 @@ class Trainer:
         return optimizers
 
     def run(self, observer: Observer | None = None, progress: bool = True) -> TrainState:
-        """Train for config.steps; Ctrl-C stops after the current step with a usable model."""
+        """Train for config.steps. Ctrl-C stops where it is and leaves a usable model; state.step
+        counts the steps completed."""
         config, state = self.config, TrainState(self.model, self.config, self.space)
         optimizers = self.optimizers()
         self.model.train()
