@@ -40,10 +40,12 @@ def parse_candidate(text: str) -> tuple[str, dict]:
 
 
 def seconds_per_step(config: TrainConfig, train_ids, heldout_ids) -> float:
-    pace = Trainer(replace(config, steps=PACE_STEPS + 1, warmup_steps=1, eval_every=10**9), train_ids, heldout_ids, VOCAB_SIZE)
-    started = []
-    pace.run(observer=lambda step, model: started.append(time.perf_counter()) if step == 1 else None, progress=False)
-    return (time.perf_counter() - started[0]) / PACE_STEPS  # the first step pays one-off allocation
+    """Whole steps only: the observer runs at the same point of every step, so the time between
+    its calls at steps 1 and PACE_STEPS + 1 is PACE_STEPS steps (step 0 pays one-off allocation)."""
+    pace = Trainer(replace(config, steps=PACE_STEPS + 2, warmup_steps=1, eval_every=10**9), train_ids, heldout_ids, VOCAB_SIZE)
+    seen = []
+    pace.run(observer=lambda step, model: seen.append(time.perf_counter()), progress=False)
+    return (seen[PACE_STEPS + 1] - seen[1]) / PACE_STEPS
 
 
 def main(argv: list[str] | None = None) -> None:
