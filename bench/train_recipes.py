@@ -20,7 +20,7 @@ from dataclasses import fields, replace
 from weights.corpus import load_corpus
 from weights.prepare import CACHE_DIR
 from weights.tokenizer import GPT2Tokenizer
-from weights.train import VOCAB_SIZE, _tokenizer_dir, token_stream
+from weights.train import VOCAB_SIZE, gpt2_tokenizer_dir, token_stream
 from weights.trainer import TrainConfig, Trainer
 
 PACE_STEPS = 3
@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("candidates", nargs="+", help='"name key=value,key=value"')
     args = parser.parse_args(argv)
     train_works, heldout_works = load_corpus(CACHE_DIR)
-    tokenizer = GPT2Tokenizer.from_dir(_tokenizer_dir())
+    tokenizer = GPT2Tokenizer.from_dir(gpt2_tokenizer_dir())
     train_ids, heldout_ids = token_stream(train_works, tokenizer), token_stream(heldout_works, tokenizer)
     rows = []
     for name, changes in map(parse_candidate, args.candidates):

@@ -27,7 +27,7 @@ from model.analysis import analyze_sequence
 from weights.corpus import load_corpus
 from weights.prepare import CACHE_DIR
 from weights.tokenizer import GPT2Tokenizer
-from weights.train import VOCAB_SIZE, _tokenizer_dir, token_stream, write_folder
+from weights.train import VOCAB_SIZE, gpt2_tokenizer_dir, token_stream, write_folder
 from weights.trainer import TrainConfig, Trainer, TrainState
 
 BASE = TrainConfig(n_embd=128, n_head=4, context=128, batch_size=16, steps=240, warmup_steps=24,
@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     base = replace(BASE, steps=args.steps, seed=args.seed, warmup_steps=min(BASE.warmup_steps, args.steps))
     train_works, heldout_works = load_corpus(CACHE_DIR)
-    tokenizer = GPT2Tokenizer.from_dir(_tokenizer_dir())
+    tokenizer = GPT2Tokenizer.from_dir(gpt2_tokenizer_dir())
     train_ids, heldout_ids = token_stream(train_works, tokenizer), token_stream(heldout_works, tokenizer)
     checkpoints = {0, base.steps // 3, 2 * base.steps // 3}
     args.out.mkdir(parents=True, exist_ok=True)

@@ -103,7 +103,7 @@ def sample(model_dir: Path, prompt: str = SAMPLE_PROMPT, tokens: int = 60, seed:
 
 def train(out: Path, config: TrainConfig, held_out: tuple[str, ...] = HELD_OUT, progress: bool = True) -> dict:
     train_works, heldout_works = load_corpus(CACHE_DIR, held_out)
-    tokenizer = GPT2Tokenizer.from_dir(_tokenizer_dir())
+    tokenizer = GPT2Tokenizer.from_dir(gpt2_tokenizer_dir())
     train_ids, heldout_ids = token_stream(train_works, tokenizer), token_stream(heldout_works, tokenizer)
     trainer = Trainer(config, train_ids, heldout_ids, VOCAB_SIZE)
     print(
@@ -129,7 +129,7 @@ def train(out: Path, config: TrainConfig, held_out: tuple[str, ...] = HELD_OUT, 
     return record
 
 
-def _tokenizer_dir() -> Path:
+def gpt2_tokenizer_dir() -> Path:
     """GPT-2's tokenizer files, built from the cached source when no folder holds them yet."""
     folder = CACHE_DIR / "gpt2-tokenizer"
     if not (folder / "tokenizer.json").exists():
