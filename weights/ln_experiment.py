@@ -1,10 +1,10 @@
 """Pre-LN against Post-LN, trained side by side: the write-up's §2.2–2.3 claim as an experiment.
 
-    python -m weights.ln_experiment [--out runs/ln-experiment] [--figures docs/figures] [--steps 300]
+    python -m weights.ln_experiment [--out runs/ln-experiment] [--figures docs/figures] [--steps 240] [--seed 0]
 
 Twins of one width, data, batch, steps, seed and initialisation (GPT-2's), differing only in where
 the LayerNorms sit (model/gpt2.py against model/post_ln.py), at two depths, each with and without
-learning-rate warm-up: 8 runs, about 40 minutes on 2 cores (opt-in; never run by the tests). For
+learning-rate warm-up: 8 runs, about 26 minutes on 2 cores (opt-in; never run by the tests). For
 every run it records the training and held-out loss curves, the gradient norm of every block at
 initialisation and during training (before clipping), and every layer's mean attention spectral
 norm on held-out texts at a few checkpoints, measured by the code /analyze/spectrum runs

@@ -18,7 +18,7 @@ import json
 import shutil
 import sys
 import time
-from dataclasses import fields
+from dataclasses import fields, replace
 from pathlib import Path
 
 import numpy as np
@@ -64,10 +64,7 @@ def write_folder(out: Path, trainer: Trainer, state: TrainState, record: dict) -
     embedding_name = next(n for n, p in model.named_parameters() if p is model.tied_embedding)
     tensors = {name: t.detach() for name, t in model.state_dict().items()}
     tensors[embedding_name] = trainer.space.full_embedding(tensors[embedding_name])
-    config = trainer.model_config.__class__(**{
-        f.name: getattr(trainer.model_config, f.name) for f in fields(trainer.model_config)
-    } | {"vocab_size": VOCAB_SIZE})
-    write_model_dir(tmp, config, tensors)
+    write_model_dir(tmp, replace(trainer.model_config, vocab_size=VOCAB_SIZE), tensors)
     write_tokenizer_files(tmp, CACHE_DIR)
     (tmp / RECORD_FILE).write_text(json.dumps(record, indent=1) + "\n")
     origin = {

@@ -166,7 +166,6 @@ class Trainer:
             vocab_size=self.space.size, n_positions=config.context,
             n_embd=config.n_embd, n_layer=config.n_layer, n_head=config.n_head,
         )
-        torch.manual_seed(config.seed)
         self.model = model_class(self.model_config)
         # GPT-2's initialisation for both architectures, so twins differ only by where the
         # LayerNorms sit.
@@ -211,8 +210,9 @@ class Trainer:
         biases and LayerNorms."""
         blocks = {id(p) for p in self.model.h.parameters()}
         matrices = [p for p in self.model.parameters() if p.dim() >= 2]
-        orthogonal = [p for p in matrices if id(p) in blocks] if self.config.optimizer == "muon" else []
-        decay = [p for p in matrices if id(p) not in {id(q) for q in orthogonal}]
+        muon = self.config.optimizer == "muon"
+        orthogonal = [p for p in matrices if muon and id(p) in blocks]
+        decay = [p for p in matrices if not (muon and id(p) in blocks)]
         no_decay = [p for p in self.model.parameters() if p.dim() < 2]
         config = self.config
         optimizers: list[torch.optim.Optimizer] = [torch.optim.AdamW(
