@@ -72,6 +72,18 @@ class KVCache:
         self._used.update(slots)
         return slots
 
+    def claim(self, slot: int) -> None:
+        """Take one particular free slot (one whose contents a new sequence reuses)."""
+        if slot in self._used or not 0 <= slot < self.max_slots:
+            raise RuntimeError(f"slot {slot} is not free")
+        self._free.remove(slot)
+        heapq.heapify(self._free)
+        self._used.add(slot)
+
+    @property
+    def free_slots(self) -> list[int]:
+        return sorted(self._free)
+
     def free(self, slots: list[int] | int) -> None:
         for slot in [slots] if isinstance(slots, int) else slots:
             if slot not in self._used:
@@ -115,3 +127,7 @@ class KVCache:
         # Indexing on the right copies first, so a permutation among the same slots is safe.
         self.keys[:, dst_ids, :, :length] = self.keys[:, src_ids, :, :length]
         self.values[:, dst_ids, :, :length] = self.values[:, src_ids, :, :length]
+
+    def swap_slots(self, a: int, b: int, length: int) -> None:
+        """Exchange the first `length` positions of two slots."""
+        self.copy_slots([a, b], [b, a], length)

@@ -31,7 +31,11 @@ class Settings(BaseSettings):
         None, ge=2, description="prompt + generated tokens per sequence; default: the model's context"
     )
     max_waiting: int = Field(64, ge=1, le=100_000, description="requests that may wait beyond max_batch_size running; more get 429")
-    max_prefill_tokens: int = Field(4096, ge=1, description="padded prompt tokens per prefill forward (a larger first one still runs alone)")
+    max_prefill_tokens: int = Field(
+        512, ge=1, le=1_000_000,
+        description="prompt tokens prefilled per engine step (rows x longest chunk); longer prompts are prefilled in chunks between decode steps",
+    )
+    prefix_caching: bool = Field(True, description="keep finished sequences' keys and values; prompts reuse their longest cached prefix")
     max_new_tokens: int = Field(1024, ge=1, description="largest max_new_tokens a request may ask for")
     default_max_new_tokens: int = Field(20, ge=1, description="max_new_tokens when a TGI request gives none")
     max_prompts_per_request: int = Field(16, ge=1, le=1024, description="prompts in one list-valued `inputs`")

@@ -47,6 +47,7 @@ def advance_beams(state: RequestState, logits: torch.Tensor, row_of: dict[int, i
     token_ids = [beams[src].token_ids + [token] for src, token in zip(step.source_beams, step.next_tokens)]
     for beam, ids in zip(beams, token_ids):
         beam.token_ids = ids
+        beam.cached = len(ids) - 1
     return False
 
 

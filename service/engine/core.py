@@ -28,7 +28,7 @@ from model.sampling import choose_tokens
 from model.scoring import score_tokens, top_alternatives
 from service.engine.beams import advance_beams, beam_results, start_beam_search
 from service.engine.graphs import StaticDecode
-from service.engine.scheduler import RequestState, Scheduler, Sequence, StepPlan
+from service.engine.scheduler import PrefillChunk, RequestState, Scheduler, Sequence, StepPlan
 from service.engine.slot_controls import SlotControls
 from service.engine.slot_params import SlotParams
 from service.engine.types import (
@@ -58,7 +58,11 @@ class EngineConfig:
     max_slots: int = 8  # sequences decoded together; KV-cache rows
     max_len: int | None = None  # tokens per sequence (prompt + new); default: the model's context
     max_waiting: int = 64  # requests queued beyond the running ones; more raise QueueFull
-    max_prefill_tokens: int = 4096  # padded prompt tokens per prefill forward (at least one submission)
+    # Prompt tokens one step prefills (rows × the longest chunk); a longer prompt is prefilled
+    # in chunks of at most this many, between the decode steps of the running sequences.
+    max_prefill_tokens: int = 512
+    # Keep what finished sequences cached; a prompt reuses its longest cached prefix.
+    prefix_caching: bool = True
     # Decode with static shapes (graphs.py): captured as CUDA graphs on a GPU, run eagerly
     # elsewhere (tests prove the static path's tokens on the CPU).
     static_decode: bool = False
@@ -111,7 +115,9 @@ class EngineCore:
         self.cache = KVCache(model.config, config.max_slots, max_len, self.device, model.dtype)
         self.slot_params = SlotParams(config.max_slots, model.config.vocab_size, self.device)
         self.slot_controls = SlotControls(config.max_slots, model.config.vocab_size, max_len, eos_token_id, self.device)
-        self.scheduler = Scheduler(self.cache, config.max_waiting, config.max_prefill_tokens, self._start)
+        self.scheduler = Scheduler(
+            self.cache, config.max_waiting, config.max_prefill_tokens, self._start, config.prefix_caching
+        )
         self.static_decode = StaticDecode(self.model, self.cache) if config.static_decode else None
         if self.static_decode is not None and self.device.type == "cuda":
             self.static_decode.capture()  # on failure it says why and decodes eagerly
@@ -132,11 +138,12 @@ class EngineCore:
         started = self.clock()
         results = StepResults()
         failed: list[RequestFailed] = []
-        prefill_tokens = decode_tokens = batch_size = 0
+        prefill_tokens = cached_tokens = decode_tokens = batch_size = 0
         try:
             plan = self.scheduler.schedule(started)
             results.done = [self._finish(state) for state in plan.cancelled]
-            prefill_tokens = sum(len(s.request.prompt_ids) for s in plan.prefill)
+            prefill_tokens = sum(chunk.end - chunk.start for chunk in plan.prefill)
+            cached_tokens = plan.cached_tokens
             decode_tokens = sum(len(s.live) for s in plan.decode)
             if plan.prefill or plan.decode:
                 batch_size = self._run_and_postprocess(plan, results)
@@ -149,6 +156,7 @@ class EngineCore:
         stats = StepStats(
             batch_size=batch_size,
             prefill_tokens=prefill_tokens,
+            cached_prompt_tokens=cached_tokens,
             decode_tokens=decode_tokens,
             running=len(self.scheduler.running),
             waiting=self.scheduler.waiting_count,
@@ -161,20 +169,23 @@ class EngineCore:
 
     def _run_and_postprocess(self, plan: StepPlan, results: StepResults) -> int:
         """The step's model work and bookkeeping; returns how many rows got a token."""
-        active = plan.prefill + plan.decode
+        completing = plan.completing
+        active = completing + plan.decode
         with torch.inference_mode():
             rows = self._layout(plan)
-            for src, dst, length in plan.moves:
-                self._move(src, dst, length)
+            for src, dst, length, swap in plan.moves:
+                self._move(src, dst, length, swap)
+            for src, dst, length in plan.copies:
+                self.cache.copy_slots([src], [dst], length)
             logits = self._run(plan, rows)
             sampled = self._sample(logits, rows)
             for state in active:
                 if state.beam is not None and advance_beams(state, logits, rows.row_of, self.cache):
                     for beam in state.sequences:  # finish() gives each hypothesis its reason
-                        self.scheduler.release_sequence(beam, "length")
+                        self.scheduler.release_sequence(beam, "length", state)
         results.started = [
             RequestStarted(s.request.request_id, s.scheduled_time - s.request.arrival_time, s.seed, s.prompt_scores)
-            for s in plan.prefill
+            for s in completing
         ]
         results.tokens = [self._advance(s) for s in sampled]
         results.done += [self._finish(state) for state in active if state.done]
@@ -198,8 +209,10 @@ class EngineCore:
             sequences.append(Sequence(index, slot, list(prompt), len(prompt)))
         return sequences
 
-    def _move(self, src: int, dst: int, length: int) -> None:
-        if length:
+    def _move(self, src: int, dst: int, length: int, swap: bool) -> None:
+        if swap:
+            self.cache.swap_slots(src, dst, length)
+        elif length:
             self.cache.copy_slots([src], [dst], length)
         self.slot_params.move(src, dst)
         self.slot_controls.move(src, dst)
@@ -212,12 +225,15 @@ class EngineCore:
         making them after the forwards were launched would stall the host until they finish.
         """
         decoding = sorted((seq for s in plan.decode for seq in s.live), key=lambda seq: seq.slot)
-        # One logits row per admitted request (its sequences share it), then one per decoding one.
-        row_of = {seq.slot: row for row, state in enumerate(plan.prefill) for seq in state.sequences}
+        # One logits row per prompt chunk (a completed prompt's sequences share it), then one per
+        # decoding sequence. A chunk that leaves part of its prompt for later samples nothing.
+        row_of = {
+            seq.slot: row for row, chunk in enumerate(plan.prefill) if chunk.completes for seq in chunk.state.sequences
+        }
         row_of.update((seq.slot, len(plan.prefill) + row) for row, seq in enumerate(decoding))
         sampled = [
             (state, seq)
-            for state in plan.prefill + plan.decode
+            for state in plan.completing + plan.decode
             if state.beam is None
             for seq in state.live
         ]
@@ -237,61 +253,81 @@ class EngineCore:
         parts = [part for part in (prefilled, decoded) if part is not None]
         return torch.cat(parts) if len(parts) > 1 else parts[0]
 
-    def _prefill(self, states: list[RequestState]) -> torch.Tensor:
-        prompts = [state.request.prompt_ids for state in states]
-        longest = max(len(p) for p in prompts)
-        # Padding sits after each prompt, at positions no real token of that row attends to;
-        # its cache entries are overwritten by the row's own later tokens before they are read.
-        padded = [p + [self.eos_token_id] * (longest - len(p)) for p in prompts]
+    def _prefill(self, chunks: list[PrefillChunk]) -> torch.Tensor:
+        """Each chunk's prompt tokens from its offset, over the keys its slot already holds (a
+        reused prefix, earlier chunks). Logits [B, V] at each chunk's last token."""
+        pieces = [chunk.state.request.prompt_ids[chunk.start : chunk.end] for chunk in chunks]
+        width = max(len(piece) for piece in pieces)
+        # Padding sits after each chunk, at positions its real tokens never attend to; clamped to
+        # the slot's last position, which no sequence ever caches (its last token is never fed).
+        padded = [piece + [self.eos_token_id] * (width - len(piece)) for piece in pieces]
         input_ids = torch.tensor(padded, device=self.device)  # [B, T]
-        positions = torch.arange(longest, device=self.device).expand(len(prompts), longest)  # [B, T]
-        last = torch.tensor([len(p) - 1 for p in prompts], device=self.device)  # [B]
-        want_prompt_logprobs = any(state.params.prompt_logprobs for state in states)
+        starts = [chunk.start for chunk in chunks]
+        last_position = self.cache.max_len - 1
+        positions = (torch.tensor(starts, device=self.device)[:, None] + torch.arange(width, device=self.device))
+        positions = positions.clamp_(max=last_position)  # [B, T]
+        last = torch.tensor([len(piece) - 1 for piece in pieces], device=self.device)  # [B]
+        want_prompt_logprobs = any(chunk.state.params.prompt_logprobs for chunk in chunks)
         out = self.model(
             input_ids,
             positions,
             self.cache,
-            self.cache.batch([state.sequences[0].slot for state in states]),
-            kv_length=longest,
+            self.cache.batch([chunk.state.sequences[0].slot for chunk in chunks]),
+            kv_length=min(max(starts) + width, last_position + 1),
             logits_index=last,
             output_hidden_states=want_prompt_logprobs,
         )
+        for row, chunk in enumerate(chunks):
+            state = chunk.state
+            state.prefilled = state.sequences[0].cached = chunk.end
+            if state.params.prompt_logprobs:
+                self._add_prompt_scores(state, chunk, out.hidden_states[-1][row])
         # Several sampled sequences of one prompt: the prompt ran once, into the first slot.
         copies = [
-            (state.sequences[0].slot, seq.slot)
-            for state in states
-            if state.beam is None
-            for seq in state.sequences[1:]
+            (chunk.state.sequences[0].slot, seq)
+            for chunk in chunks
+            if chunk.completes and chunk.state.beam is None
+            for seq in chunk.state.sequences[1:]
         ]
         if copies:
-            self.cache.copy_slots([s for s, _ in copies], [d for _, d in copies], longest)
-        for row, state in enumerate(states):
-            if state.params.prompt_logprobs:
-                state.prompt_scores = self._prompt_scores(
-                    out.hidden_states[-1][row], prompts[row], state.params.top_logprobs
-                )
+            longest = max(len(seq.token_ids) for _, seq in copies)
+            self.cache.copy_slots([s for s, _ in copies], [seq.slot for _, seq in copies], longest)
+            for _, seq in copies:
+                seq.cached = len(seq.token_ids)
         return out.logits  # [B, V]
 
-    def _prompt_scores(self, hidden: torch.Tensor, prompt: list[int], n: int) -> PromptScores:
-        """How the model scores prompt[i] given prompt[:i], i >= 1, from the prefill's last hidden
-        states [T, C]: log-probability, rank and n alternatives, copied to the host at once."""
-        targets = torch.tensor(prompt[1:], device=self.device)  # [T-1]
+    def _add_prompt_scores(self, state: RequestState, chunk: PrefillChunk, hidden: torch.Tensor) -> None:
+        """Score the prompt tokens this chunk's hidden states [T, C] predict: start+1 .. end (the
+        token after the chunk is the next chunk's first, or, after the last one, generated)."""
+        prompt = state.request.prompt_ids
+        end = min(chunk.end + 1, len(prompt))
+        scores = self._prompt_scores(hidden[: end - chunk.start - 1], prompt[chunk.start + 1 : end], state.params.top_logprobs)
+        if state.prompt_scores is None:
+            state.prompt_scores = PromptScores([None], [None], [None])
+        state.prompt_scores.logprobs += scores.logprobs
+        state.prompt_scores.ranks += scores.ranks
+        state.prompt_scores.top += scores.top
+
+    def _prompt_scores(self, hidden: torch.Tensor, targets: list[int], n: int) -> PromptScores:
+        """How the model scores targets[i] from hidden states [m, C] (row i precedes it):
+        log-probability, rank and n alternatives, copied to the host at once."""
+        target_ids = torch.tensor(targets, device=self.device)  # [m]
         chunks = []
-        for start in range(0, len(prompt) - 1, PROMPT_LOGPROB_CHUNK):
-            end = min(start + PROMPT_LOGPROB_CHUNK, len(prompt) - 1)
-            logits = self.model.lm_head(self.model.ln_f(hidden[start:end])).float()  # [m, V]
-            s = score_tokens(logits, targets[start:end], n)
-            # [m, 2 + 2n]: logprob, rank, alternatives' ids, their logprobs (float64 holds ids exactly)
+        for start in range(0, len(targets), PROMPT_LOGPROB_CHUNK):
+            end = min(start + PROMPT_LOGPROB_CHUNK, len(targets))
+            logits = self.model.lm_head(self.model.ln_f(hidden[start:end])).float()  # [m', V]
+            s = score_tokens(logits, target_ids[start:end], n)
+            # [m', 2 + 2n]: logprob, rank, alternatives' ids, their logprobs (float64 holds ids exactly)
             chunks.append(torch.cat([s.logprobs[:, None].double(), s.ranks[:, None].double(),
                                      s.top_ids.double(), s.top_logprobs.double()], dim=1))
         rows = torch.cat(chunks).tolist() if chunks else []
         top = [list(zip(map(int, r[2 : 2 + n]), r[2 + n :])) for r in rows]
-        return PromptScores([None] + [r[0] for r in rows], [None] + [int(r[1]) for r in rows], [None] + top)
+        return PromptScores([r[0] for r in rows], [int(r[1]) for r in rows], top)
 
     def _decode(self, seqs: list[Sequence]) -> torch.Tensor:
         slots = [s.slot for s in seqs]
-        if self.static_decode is not None and self.static_decode.covers(slots):
-            return self.static_decode.run([s.token_ids[-1] for s in seqs], [len(s.token_ids) - 1 for s in seqs])
+        if self.static_decode is not None:
+            return self.static_decode.run(slots, [s.token_ids[-1] for s in seqs], [len(s.token_ids) - 1 for s in seqs])
         input_ids = torch.tensor([[s.token_ids[-1]] for s in seqs], device=self.device)  # [B, 1]
         positions = torch.tensor([[len(s.token_ids) - 1] for s in seqs], device=self.device)  # [B, 1]
         # kv_length from Python ints: no device sync to find the longest row.
@@ -331,6 +367,7 @@ class EngineCore:
     def _advance(self, sampled: SampledToken) -> CoreToken:
         state, seq, token = sampled.state, sampled.seq, sampled.token
         seq.token_ids.append(token)
+        seq.cached = len(seq.token_ids) - 1  # the forward that chose it wrote every earlier token
         params = state.params
         if (token == self.eos_token_id and not params.ignore_eos) or token in params.stop_token_ids:
             reason = "eos_token"
@@ -339,7 +376,7 @@ class EngineCore:
         else:
             reason = None
         if reason is not None:
-            self.scheduler.release_sequence(seq, reason)
+            self.scheduler.release_sequence(seq, reason, state)
         return (state.request.request_id, seq.index, token, sampled.logprob, reason, sampled.top)
 
     def _finish(self, state: RequestState) -> RequestDone:

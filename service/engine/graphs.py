@@ -1,10 +1,12 @@
 """Decode steps with static shapes, replayed as CUDA graphs: one launch instead of ~300.
 
 A decode forward becomes static when three things are fixed:
-- the batch: padded up to the next size of a ladder (1, 2, 4, 8, ... max_slots); the scheduler
-  keeps running sequences packed in the lowest slots, so a decode batch of B rows is slots
-  0..B-1 and its padded rows are slots B..Bp-1, which are free or hold a request admitted this
-  step (the engine runs decode before prefill, so the prefill overwrites what a padded row wrote);
+- the batch: slots 0..Bp-1, Bp the next size of a ladder (1, 2, 4, 8, ... max_slots) above the
+  highest decoding slot (the scheduler keeps running sequences packed in the lowest slots). The
+  rows of other slots (free ones, which may hold a cached prefix, and prompts still being
+  prefilled) are padding: they feed a token at the slot's last position, max_len-1, which no
+  sequence ever caches (the last token of a full-length sequence is never fed), so padding
+  never overwrites keys and values anyone reads;
 - the keys read: a length bucket (64, 128, 256, ... max_len) at least as long as the longest row,
   each row masked beyond its own position;
 - the buffers: input ids, positions and logits live in tensors allocated once, which a step
@@ -67,26 +69,26 @@ class StaticDecode:
         self.slot_batches = {size: cache.batch(list(range(size))) for size in self.batch_sizes}
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
-    def covers(self, slots: list[int]) -> bool:
-        """Whether a decode batch on these slots (in slot order) can run here: slots 0..B-1."""
-        return bool(slots) and slots[0] == 0 and slots[-1] == len(slots) - 1
-
-    def run(self, token_ids: list[int], positions: list[int]) -> torch.Tensor:
-        """Logits [B, V] for rows on slots 0..B-1, row b feeding token_ids[b] at positions[b]."""
-        rows = len(token_ids)
-        size = next_size(self.batch_sizes, rows)
+    def run(self, slots: list[int], token_ids: list[int], positions: list[int]) -> torch.Tensor:
+        """Logits [B, V] for the rows on `slots` (ascending), row b feeding token_ids[b] at
+        positions[b]."""
+        size = next_size(self.batch_sizes, slots[-1] + 1)
         bucket = next_size(self.length_buckets, max(positions) + 1)
-        # Padded rows feed token 0 at position 0 of their (free or just-admitted) slot.
-        padding = [0] * (size - rows)
-        ids = torch.tensor(token_ids + padding, dtype=torch.long)  # [size]
-        pos = torch.tensor(positions + padding, dtype=torch.long)  # [size]
-        self.buffers.input_ids[:size, 0].copy_(ids, non_blocking=True)
-        self.buffers.positions[:size, 0].copy_(pos, non_blocking=True)
+        ids, pos = [0] * size, [self.cache.max_len - 1] * size
+        for slot, token, position in zip(slots, token_ids, positions):
+            ids[slot], pos[slot] = token, position
+        self.buffers.input_ids[:size, 0].copy_(torch.tensor(ids, dtype=torch.long), non_blocking=True)
+        self.buffers.positions[:size, 0].copy_(torch.tensor(pos, dtype=torch.long), non_blocking=True)
+        packed = slots == list(range(len(slots)))
+        # Made before the forward is queued: on CUDA a later host→device copy would wait for it.
+        rows = None if packed else torch.tensor(slots).to(self.cache.device, non_blocking=True)
         graph = self.graphs.get((size, bucket))
         if graph is not None:
             graph[0].replay()
-            return graph[1][:rows]
-        return self._forward(size, bucket)[:rows]
+            logits = graph[1]  # [size, V]
+        else:
+            logits = self._forward(size, bucket)
+        return logits[: len(slots)] if rows is None else logits[rows]  # [B, V]
 
     def _forward(self, size: int, bucket: int) -> torch.Tensor:
         out = self.model(
@@ -133,9 +135,10 @@ class StaticDecode:
             generator = torch.Generator(device="cpu").manual_seed(size)
             ids = torch.randint(0, self.model.config.vocab_size, (size,), generator=generator).tolist()
             positions = torch.randint(0, bucket, (size,), generator=generator).tolist()
-            graph_logits = self.run(ids, positions).float().clone()
+            slots = list(range(size))
+            graph_logits = self.run(slots, ids, positions).float().clone()
             graph, _ = self.graphs.pop((size, bucket))
-            eager_logits = self.run(ids, positions).float()
+            eager_logits = self.run(slots, ids, positions).float()
             self.graphs[(size, bucket)] = (graph, _)
             # Same kernels, same inputs: only the order of floating-point sums may differ.
             if not torch.allclose(graph_logits, eager_logits, rtol=1e-2, atol=1e-2):

@@ -1,4 +1,5 @@
-"""Which sequences run each step: the waiting queue, admission into KV-cache slots, cancellation.
+"""Which sequences run each step: the waiting queue, admission into KV-cache slots (reusing
+cached prefixes), prompt chunks within the step's prefill budget, cancellation, packing.
 
 Thread model: `submit` and `cancel` may be called from another thread than the one stepping
 (tests drive both from one) and only touch the waiting queue and the cancel set, under a lock.
@@ -7,13 +8,14 @@ Everything else (running requests, slots) belongs to the caller of `schedule`, o
 
 from __future__ import annotations
 
-import math
 import threading
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from model.kv_cache import KVCache
+from service.engine.prefix_cache import PrefixCache, PrefixMatch, ScoredPrefix, common_prefix_length
+from service.engine.validation import slots_needed, validate_request
 from service.engine.types import (
     EngineStopped,
     FinishReason,
@@ -24,51 +26,9 @@ from service.engine.types import (
 )
 
 
-def slots_needed(params: SamplingParams) -> int:
-    """KV-cache slots a request holds while it runs: one per beam or returned sequence."""
-    return max(params.num_beams, params.num_return_sequences)
-
-
-def validate_request(request: GenerationRequest, max_len: int, max_slots: int) -> None:
-    """Refuse what can never run, saying why (the HTTP side turns this into a 422).
-
-    The HTTP side calls it before sending a request to the core, and the core again on receipt.
-    """
-    p, prompt_length = request.params, len(request.prompt_ids)
-    if prompt_length == 0:
-        raise ValueError("the prompt is empty: at least one token is needed")
-    if p.max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be at least 1, got {p.max_new_tokens}")
-    if prompt_length + p.max_new_tokens > max_len:
-        raise ValueError(
-            f"prompt ({prompt_length} tokens) + max_new_tokens ({p.max_new_tokens}) exceeds "
-            f"the maximum sequence length {max_len}"
-        )
-    if p.num_beams < 1 or p.num_return_sequences < 1:
-        raise ValueError("num_beams and num_return_sequences must be at least 1")
-    if p.num_beams > 1 and p.do_sample:
-        raise ValueError("beam search with sampling is not supported: set do_sample=false")
-    if p.num_beams > 1 and p.num_return_sequences > p.num_beams:
-        raise ValueError(
-            f"num_return_sequences ({p.num_return_sequences}) must not exceed num_beams ({p.num_beams})"
-        )
-    if p.num_beams == 1 and p.num_return_sequences > 1 and not p.do_sample:
-        raise ValueError("several return sequences need do_sample=true or num_beams > 1")
-    if p.do_sample and p.temperature <= 0:
-        raise ValueError(f"temperature must be positive when sampling, got {p.temperature}")
-    if not 0 < p.top_p <= 1 or p.top_k < 0 or p.repetition_penalty <= 0:
-        raise ValueError("top_p must be in (0, 1], top_k >= 0, repetition_penalty > 0")
-    if any(not s for s in p.stop):
-        raise ValueError("stop strings must not be empty")
-    if p.num_beams > 1 and p.stop:
-        raise ValueError("stop strings are not supported with beam search")
-    if not math.isfinite(p.length_penalty) or p.early_stopping not in (True, False, "never"):
-        raise ValueError("length_penalty must be finite; early_stopping true, false or 'never'")
-    if slots_needed(p) > max_slots:
-        raise ValueError(
-            f"the request needs {slots_needed(p)} sequences at once; the engine has "
-            f"{max_slots} slots"
-        )
+# A prompt sharing at least this many more tokens with a prompt still being prefilled than
+# with anything cached waits for it (a step or a few) rather than computing them again.
+SHARED_PREFIX_WORTH_WAITING = 32
 
 
 @dataclass
@@ -77,9 +37,12 @@ class Sequence:
 
     index: int  # sequence_index within its request
     slot: int
-    token_ids: list[int]  # prompt + generated; the cache holds all but the last
+    token_ids: list[int]  # prompt + generated
     prompt_length: int
     finish_reason: FinishReason | None = None
+    # Leading token_ids whose keys and values the slot holds, written by completed forwards:
+    # what the prefix cache may keep when the sequence leaves. All but the last once decoding.
+    cached: int = 0
 
     @property
     def generated(self) -> list[int]:
@@ -97,6 +60,10 @@ class RequestState:
     scheduled_time: float | None = None
     first_token_time: float | None = None
     prompt_scores: PromptScores | None = None
+    # Prompt tokens in the first sequence's slot: reused from the prefix cache at admission, then
+    # grown chunk by chunk; the request decodes once it reaches the prompt's length.
+    prefilled: int = 0
+    reused: int = 0  # of which taken from the prefix cache
 
     @property
     def params(self) -> SamplingParams:
@@ -114,13 +81,69 @@ class RequestState:
     def done(self) -> bool:
         return bool(self.sequences) and not self.live
 
+    @property
+    def prefilling(self) -> bool:
+        return self.prefilled < len(self.request.prompt_ids)
+
+    @property
+    def scored_prefix(self) -> ScoredPrefix | None:
+        """The prompt scores computed so far, for a later prompt reusing this one's prefix."""
+        if self.prompt_scores is None:
+            return None
+        return ScoredPrefix(self.prompt_scores, self.params.top_logprobs)
+
+    @property
+    def score_alternatives(self) -> int | None:
+        """None when the request does not score its prompt, else the alternatives it wants."""
+        return self.params.top_logprobs if self.params.prompt_logprobs else None
+
+
+@dataclass
+class PrefillChunk:
+    """Prompt tokens [start, end) of one request, run this step into its first slot."""
+
+    state: RequestState
+    start: int
+    end: int
+
+    @property
+    def completes(self) -> bool:
+        return self.end == len(self.state.request.prompt_ids)
+
 
 @dataclass
 class StepPlan:
-    prefill: list[RequestState]  # admitted this step: their prompts run now
-    decode: list[RequestState]  # already running: one token per live sequence
+    prefill: list[PrefillChunk]  # prompt chunks run this step; the last one of a prompt samples
+    decode: list[RequestState]  # prefilled and running: one token per live sequence
     cancelled: list[RequestState]  # leave now; their slots (if any) are already free
-    moves: list[tuple[int, int, int]]  # (from slot, to slot, cached length): packing copies
+    # Done in this order before the forwards: (from slot, to slot, length, swap) packing moves,
+    # then (from slot, to slot, length) prefix copies from running sequences.
+    moves: list[tuple[int, int, int, bool]]
+    copies: list[tuple[int, int, int]]
+    cached_tokens: int = 0  # prompt tokens taken from the prefix cache by this step's admissions
+
+    @property
+    def completing(self) -> list[RequestState]:
+        return [chunk.state for chunk in self.prefill if chunk.completes]
+
+
+class PrefillBudget:
+    """Prompt tokens one step may prefill: rows × the longest chunk (rows are padded to it)."""
+
+    def __init__(self, tokens: int) -> None:
+        self.tokens = tokens
+        self.rows = 0
+        self.longest = 0
+
+    def take(self, remaining: int) -> int:
+        """The chunk a prompt with `remaining` tokens to go gets this step (0: none fits)."""
+        cap = self.tokens // (self.rows + 1)
+        if cap < 1 or self.longest > cap:
+            return 0
+        chunk = min(remaining, cap)
+        self.rows += 1
+        self.longest = max(self.longest, chunk)
+        return chunk
 
 
 class Scheduler:
@@ -132,14 +155,16 @@ class Scheduler:
         max_waiting: int,
         max_prefill_tokens: int,
         start: Callable[[RequestState, list[int]], list[Sequence]],
+        prefix_caching: bool = False,
     ) -> None:
         self.cache = cache
         self._start = start
         self.max_waiting = max_waiting
         self.max_prefill_tokens = max_prefill_tokens
+        self.prefix = PrefixCache(prefix_caching)
         self.running: list[RequestState] = []
         self._lock = threading.Lock()
-        self._waiting: deque[list[RequestState]] = deque()  # submissions, admitted whole
+        self._waiting: deque[list[RequestState]] = deque()  # submissions, in arrival order
         self._waiting_count = 0
         self._cancel: set[str] = set()
         self._active_ids: set[str] = set()  # submitted and not yet finished
@@ -147,7 +172,7 @@ class Scheduler:
 
     # --- submission side ----------------------------------------------------------------------------
     def submit(self, requests: list[GenerationRequest]) -> list[RequestState]:
-        """Queue requests to be admitted together (several prompts of one HTTP call)."""
+        """Queue requests to be admitted in order (several prompts of one HTTP call)."""
         for request in requests:
             validate_request(request, self.cache.max_len, self.cache.max_slots)
         ids = [r.request_id for r in requests]
@@ -197,43 +222,130 @@ class Scheduler:
         with self._lock:
             cancel, self._cancel = self._cancel, set()
             cancelled = self._drop_waiting(cancel)
-            admitted = self._pop_admissible()
-        decode = []
+        kept = []
         for state in self.running:
             if state.request.request_id in cancel:
                 self._release_cancelled(state)
                 cancelled.append(state)
             else:
-                decode.append(state)
-        # Running before they start, so a failure while starting one still frees the others.
-        self.running = decode + admitted
-        for state in admitted:
-            state.scheduled_time = now
-            slots = self.cache.allocate(state.slots_needed)
+                kept.append(state)
+        self.running = kept
+        budget = PrefillBudget(self.max_prefill_tokens)
+        # Prompts already admitted go on first, in admission order; then new ones while slots
+        # and the budget allow.
+        chunks = []
+        for state in kept:
+            if state.prefilling and (size := budget.take(len(state.request.prompt_ids) - state.prefilled)):
+                chunks.append(PrefillChunk(state, state.prefilled, state.prefilled + size))
+        decode = [state for state in kept if not state.prefilling]
+        pending: list[tuple[Sequence, Sequence, int]] = []  # (source, destination, length)
+        admitted = self._admit(now, budget, chunks, pending)
+        moves = self._pack()
+        copies = [(source.slot, target.slot, length) for source, target, length in pending]
+        for _, target, length in pending:
+            target.cached = length
+        return StepPlan(chunks, decode, cancelled, moves, copies, sum(s.reused for s in admitted))
+
+    def _admit(
+        self, now: float, budget: PrefillBudget, chunks: list[PrefillChunk], pending: list
+    ) -> list[RequestState]:
+        """Admit waiting requests in arrival order while slots and the prefill budget allow.
+
+        One whose prompt shares a long prefix with a prompt still being prefilled waits for it
+        (the requests behind it go on), so the shared part is computed once.
+        """
+        admitted: list[RequestState] = []
+        with self._lock:
             try:
-                state.sequences = self._start(state, slots)
-            except Exception:
-                self.cache.free(slots)
-                raise
-        return StepPlan(admitted, decode, cancelled, self._pack())
+                for state in [state for submission in self._waiting for state in submission]:
+                    if state.slots_needed > self.cache.slots_free:
+                        break  # first come, first served: nobody overtakes another for slots
+                    prompt = state.request.prompt_ids
+                    match = self.prefix.best_match(prompt, state.score_alternatives, self._running_prefixes())
+                    reused = match.length if match else 0
+                    if self._worth_waiting(state, reused):
+                        continue
+                    size = budget.take(len(prompt) - reused)
+                    if not size:
+                        break
+                    admitted.append(state)
+                    self._place(state, match, now, pending)
+                    chunks.append(PrefillChunk(state, reused, reused + size))
+            finally:  # also when starting one failed: those admitted before it are running
+                taken = {id(state) for state in admitted}
+                self._waiting = deque(k for s in self._waiting if (k := [x for x in s if id(x) not in taken]))
+                self._waiting_count -= len(admitted)
+        return admitted
+
+    def _running_prefixes(self) -> list[tuple[Sequence, list[int], object]]:
+        return [
+            (seq, seq.token_ids[: seq.cached], state.scored_prefix)
+            for state in self.running
+            for seq in state.live
+            if seq.cached
+        ]
+
+    def _worth_waiting(self, state: RequestState, reused: int) -> bool:
+        prompt, wanted = state.request.prompt_ids, state.score_alternatives
+        for other in self.running:
+            if not other.prefilling:
+                continue
+            if wanted is not None and (not other.params.prompt_logprobs or other.params.top_logprobs < wanted):
+                continue  # its scores could not be reused anyway
+            shared = min(common_prefix_length(prompt, other.request.prompt_ids), len(prompt) - 1)
+            if shared - reused >= SHARED_PREFIX_WORTH_WAITING:
+                return True
+        return False
+
+    def _place(self, state: RequestState, match: PrefixMatch | None, now: float, pending: list) -> None:
+        """Give an admitted request its slots, the first one holding the reused prefix."""
+        state.scheduled_time = now
+        free = self.prefix.eviction_order(self.cache.free_slots)
+        if match is not None and match.adopt:
+            free.remove(match.slot)
+            free.insert(0, match.slot)
+        slots = free[: state.slots_needed]
+        for slot in slots:
+            self.cache.claim(slot)
+            self.prefix.drop(slot)
+        # Running before it starts: if starting it fails, the step's failure handling reports it.
+        self.running.append(state)
+        try:
+            state.sequences = self._start(state, slots)
+        except Exception:
+            self.cache.free(slots)
+            raise
+        if match is None:
+            return
+        state.prefilled = state.reused = match.length
+        state.prompt_scores = match.scores
+        first = state.sequences[0]
+        if match.adopt:
+            first.cached = match.length
+        else:
+            pending.append((match.source, first, match.length))
 
     def _release_cancelled(self, state: RequestState) -> None:
         for seq in state.live:
-            self.release_sequence(seq, "cancelled")
+            self.release_sequence(seq, "cancelled", state)
 
-    def release_sequence(self, seq: Sequence, reason: FinishReason) -> None:
+    def release_sequence(self, seq: Sequence, reason: FinishReason, state: RequestState) -> None:
+        """The sequence ends; its slot keeps what it cached for prompts that share it."""
         seq.finish_reason = reason
         self.cache.free(seq.slot)
+        self.prefix.keep(seq.slot, seq.token_ids[: seq.cached], state.scored_prefix)
 
     def drop_finished(self) -> None:
         self.running = [s for s in self.running if not s.done]
 
     def abort_running(self) -> list[RequestState]:
-        """Free every running request's slots (after a failed step) and forget them."""
+        """Free every running request's slots (after a failed step) and forget them, and
+        everything the cache kept: a failed step may have left any slot half-written."""
         aborted, self.running = self.running, []
         for state in aborted:
             self._release_cancelled(state)
             self.forget(state.request.request_id)
+        self.prefix.clear()
         return aborted
 
     def _drop_waiting(self, cancel: set[str]) -> list[RequestState]:
@@ -246,45 +358,12 @@ class Scheduler:
         self._waiting_count -= len(dropped)
         return dropped
 
-    def _pop_admissible(self) -> list[RequestState]:
-        """Whole submissions in arrival order while slots and the prefill budget allow.
-
-        A submission that needs more slots than the cache has is admitted in parts.
-        """
-        admitted: list[RequestState] = []
-        slots_free, longest = self.cache.slots_free, 0
-        while self._waiting:
-            submission = list(self._waiting[0])
-            if sum(s.slots_needed for s in submission) > self.cache.max_slots:
-                submission = self._fitting_prefix(submission, slots_free)
-            slots = sum(s.slots_needed for s in submission)
-            longest_if = max([longest] + [len(s.request.prompt_ids) for s in submission])
-            # Prefill pads every prompt to the longest, so its cost is rows × longest.
-            cost = (len(admitted) + len(submission)) * longest_if
-            if not submission or slots > slots_free or (admitted and cost > self.max_prefill_tokens):
-                break
-            del self._waiting[0][: len(submission)]
-            if not self._waiting[0]:
-                self._waiting.popleft()
-            self._waiting_count -= len(submission)
-            admitted.extend(submission)
-            slots_free, longest = slots_free - slots, longest_if
-        return admitted
-
-    @staticmethod
-    def _fitting_prefix(submission: list[RequestState], slots_free: int) -> list[RequestState]:
-        taken = 0
-        for count, state in enumerate(submission):
-            taken += state.slots_needed
-            if taken > slots_free:
-                return submission[:count]
-        return submission
-
-    def _pack(self) -> list[tuple[int, int, int]]:
+    def _pack(self) -> list[tuple[int, int, int, bool]]:
         """Move sequences from the highest slots into holes below, so the batch stays one span.
 
         Each move copies one sequence's cache once; a batch with holes would instead gather
-        (copy) every row's keys and values in every layer of every step.
+        (copy) every row's keys and values in every layer of every step. A hole that holds a
+        retained prefix swaps it into the slot the sequence left, so packing evicts nothing.
         """
         moves = []
         live = sorted((seq for state in self.running for seq in state.live), key=lambda s: s.slot)
@@ -292,9 +371,9 @@ class Scheduler:
             seq = live.pop()
             target = self.cache.allocate(1)[0]  # the lowest free slot, below seq.slot
             self.cache.free(seq.slot)
-            # Freshly admitted sequences have nothing cached yet; prefill writes their new slot.
-            cached = len(seq.token_ids) - 1 if len(seq.token_ids) > seq.prompt_length else 0
-            moves.append((seq.slot, target, cached))
+            retained = self.prefix.length(target)
+            moves.append((seq.slot, target, max(seq.cached, retained), retained > 0))
+            self.prefix.move(target, seq.slot)
             seq.slot = target
             live.insert(0, seq)
             live.sort(key=lambda s: s.slot)

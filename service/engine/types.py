@@ -162,7 +162,7 @@ class StepStats:
     """What one engine step did, for metrics (sent with the step's output to the HTTP side)."""
 
     batch_size: int  # sequences that got a token this step
-    prefill_tokens: int  # prompt tokens run this step
+    prefill_tokens: int  # prompt tokens computed this step (chunks; reused prefixes not counted)
     decode_tokens: int  # sequences that decoded one token from the cache
     running: int  # requests holding KV-cache slots after the step
     waiting: int  # requests queued for admission after the step
@@ -170,6 +170,7 @@ class StepStats:
     kv_slots_total: int
     step_seconds: float
     finished: int = 0  # requests that finished this step
+    cached_prompt_tokens: int = 0  # prompt tokens admitted this step whose keys were cached
 
     @property
     def kv_usage_ratio(self) -> float:

@@ -61,7 +61,9 @@ async def info(request: Request) -> dict:
         "kv_cache": {
             "slots_used": stats.kv_slots_used if stats else 0,
             "slots_total": settings.max_batch_size,
+            "prefix_caching": settings.prefix_caching,
         },
+        "max_prefill_tokens_per_step": settings.max_prefill_tokens,
         "version": package_version(),
     }
 

@@ -63,6 +63,7 @@ def build_client(state: ServiceState) -> EngineClient:
         # all of them may wait.
         max_waiting=settings.max_batch_size + settings.max_waiting,
         max_prefill_tokens=settings.max_prefill_tokens,
+        prefix_caching=settings.prefix_caching,
         static_decode=settings.cuda_graphs and settings.device == "cuda",
     )
     config = CoreProcessConfig(

@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing
-import os
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -40,7 +39,7 @@ from service.engine.protocol import (
     encoder,
     from_core,
 )
-from service.engine.scheduler import validate_request
+from service.engine.validation import validate_request
 from service.engine.types import (
     EngineStopped,
     FinishedRequest,

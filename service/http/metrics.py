@@ -66,6 +66,12 @@ class Metrics:
             "gpt2_queue_duration_seconds", "Arrival to first scheduled step", buckets=LATENCY_BUCKETS, registry=r
         )
         self.prompt_tokens = Counter("gpt2_prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.prompt_tokens_computed = Counter(
+            "gpt2_prompt_tokens_computed", "Prompt tokens the engine ran through the model (prefill chunks)", registry=r
+        )
+        self.prompt_tokens_cached = Counter(
+            "gpt2_prompt_tokens_cached", "Prompt tokens whose keys and values were reused from the prefix cache", registry=r
+        )
         self.generated_tokens = Counter(
             "gpt2_generated_tokens", "Tokens generated, over all returned sequences", registry=r
         )
@@ -97,6 +103,8 @@ class Metrics:
         """The engine client's per-step callback, on the event loop as each step's output arrives."""
         if stats.batch_size:
             self.batch_size.observe(stats.batch_size)
+        self.prompt_tokens_computed.inc(stats.prefill_tokens)
+        self.prompt_tokens_cached.inc(stats.cached_prompt_tokens)
         self.requests_running.set(stats.running)
         self.requests_waiting.set(stats.waiting)
         self.kv_cache_usage.set(stats.kv_usage_ratio)

@@ -397,7 +397,8 @@ class Info(BaseModel):
     max_best_of: int
     max_prompts_per_request: int
     max_body_bytes: int
-    kv_cache: dict = Field(description="slots used and total, right now")
+    kv_cache: dict = Field(description="slots used and total right now, and whether prompts reuse cached prefixes")
+    max_prefill_tokens_per_step: int = Field(description="prompt tokens one engine step prefills; longer prompts go in chunks")
     version: str
 
     model_config = ConfigDict(protected_namespaces=())

@@ -48,7 +48,7 @@ def count_static_runs(engine) -> list:
     """Record each static-decode run (graphs.py), so a test knows that path was taken."""
     runs = []
     real_run = engine.core.static_decode.run
-    engine.core.static_decode.run = lambda ids, positions: (runs.append(len(ids)), real_run(ids, positions))[1]
+    engine.core.static_decode.run = lambda slots, ids, positions: (runs.append(len(ids)), real_run(slots, ids, positions))[1]
     return runs
 
 
@@ -70,7 +70,7 @@ def test_joining_and_leaving_mid_stream_changes_nobody(make_engine, references, 
     runs = count_static_runs(engine) if static else None
     moves = []
     original_move = engine.core._move
-    engine.core._move = lambda src, dst, length: (moves.append((src, dst)), original_move(src, dst, length))
+    engine.core._move = lambda src, dst, *rest: (moves.append((src, dst)), original_move(src, dst, *rest))
     results = {}
     # Staggered arrivals; short requests finish early and leave holes below running ones.
     schedule = {0: [(48, 24), (2, 1)], 1: [(9, 7)], 3: [(5, 20), (1, 12)], 6: [(33, 5)], 9: [(17, 16), (64, 10)]}

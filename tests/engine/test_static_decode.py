@@ -33,7 +33,7 @@ def test_static_decode_equals_dynamic_decode_over_stale_cache_entries(tiny_model
         cache.keys.copy_(keys)
         cache.values.copy_(values)
     ids = random_prompt(len(positions), seed=1)
-    static = StaticDecode(tiny_model, caches[0]).run(ids, positions)  # [B, V]
+    static = StaticDecode(tiny_model, caches[0]).run(list(range(len(positions))), ids, positions)  # [B, V]
     rows = len(positions)
     device = tiny_model.device
     dynamic = tiny_model(
@@ -49,7 +49,7 @@ def admission_beside_a_padded_decode(engine) -> tuple[dict, list[int]]:
     runs = []
     if engine.core.static_decode is not None:
         real_run = engine.core.static_decode.run
-        engine.core.static_decode.run = lambda ids, positions: (runs.append(len(ids)), real_run(ids, positions))[1]
+        engine.core.static_decode.run = lambda slots, ids, positions: (runs.append(len(ids)), real_run(slots, ids, positions))[1]
     first = [make_request(random_prompt(6, seed=s), request_id=f"first-{s}", max_new_tokens=8) for s in (1, 2, 3)]
     engine.submit(first)
     results = {f.request_id: f for f in engine.step().finished}

@@ -17,6 +17,8 @@ FAMILIES = {
     "gpt2_inter_token_latency_seconds": "histogram",
     "gpt2_queue_duration_seconds": "histogram",
     "gpt2_prompt_tokens": "counter",
+    "gpt2_prompt_tokens_computed": "counter",
+    "gpt2_prompt_tokens_cached": "counter",
     "gpt2_generated_tokens": "counter",
     "gpt2_requests_running": "gauge",
     "gpt2_requests_waiting": "gauge",
@@ -116,6 +118,23 @@ def test_counters_agree_with_responses(fresh, tokenizer):
     assert value(after, "gpt2_requests_waiting") == 0
     # Probes and scrapes are not requests for the model.
     assert not any(dict(labels).get("endpoint") in ("/metrics", "/health") for _, labels in after)
+
+
+def test_prompt_tokens_split_into_computed_and_cached(fresh, tokenizer):
+    text = "A prompt sent twice, the second time served from the prefix cache"
+    before = scrape(fresh)
+    for _ in range(2):
+        assert fresh.post("/generate", json={"inputs": text, "parameters": {"max_new_tokens": 2}}).status_code == 200
+    after = scrape(fresh)
+
+    def delta(name):
+        return value(after, name) - value(before, name)
+
+    length = len(tokenizer.encode(text))
+    # The second time, every prompt token but the last (whose logits pick the first new token).
+    assert delta("gpt2_prompt_tokens_cached_total") == length - 1
+    assert delta("gpt2_prompt_tokens_computed_total") == length + 1
+    assert delta("gpt2_prompt_tokens_total") == 2 * length
 
 
 def test_analysis_duration_observed_through_the_app_metrics(fresh):

@@ -131,6 +131,8 @@ def test_info_reports_model_and_limits(client, tiny_model_dir):
     assert info["model_dtype"] == "float32" and info["model_device_type"] == "cpu"
     assert info["weights_origin"]["source"] == "user"  # a test-written folder without ORIGIN.json
     assert info["kv_cache"]["slots_total"] == 4
+    assert info["kv_cache"]["prefix_caching"] is True
+    assert info["max_prefill_tokens_per_step"] == 512
 
 
 def test_body_over_limit_gets_413_before_parsing(tiny_model_dir):
@@ -185,3 +187,11 @@ def test_generation_without_a_running_engine_is_503_not_a_hang(tiny_model_dir):
     response = client.post("/generate", json={"inputs": "x", "parameters": {"max_new_tokens": 1}})
     assert response.status_code == 503
     assert response.json()["error_type"] == "overloaded" and "not running" in response.json()["error"]
+
+
+def test_prefix_caching_and_the_prefill_budget_are_flags():
+    from service.__main__ import parse_settings
+
+    settings = parse_settings(["--no-prefix-caching", "--max-prefill-tokens", "64"])
+    assert settings.prefix_caching is False and settings.max_prefill_tokens == 64
+    assert parse_settings([]).prefix_caching is True

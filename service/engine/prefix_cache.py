@@ -1,0 +1,145 @@
+"""What the KV cache still holds after its sequences finished, and which prompt can reuse it.
+
+A free slot keeps the keys and values its last sequence wrote (positions 0..len(tokens)-1)
+until the slot is given to a request that does not adopt it. An arriving prompt reuses the
+longest common token prefix among those free slots (adopted in place: the slot becomes the
+request's) and the slots of running sequences (copied into the request's own slot), so only the
+rest of the prompt is prefilled. Like llama.cpp's `cache_prompt`, but across every slot.
+
+Exactness: a slot's `tokens` are exactly the tokens whose keys and values were written by
+forwards that completed (a sequence's `cached` count), so what is reused is what a cold prefill
+would compute, up to the order of floating-point sums. A failed step forgets everything.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from service.engine.types import PromptScores
+
+
+def common_prefix_length(a: list[int], b: list[int]) -> int:
+    """How many leading tokens a and b share; list slices compare in C, so this bisects."""
+    low, high = 0, min(len(a), len(b))
+    while low < high:
+        middle = (low + high + 1) // 2
+        if a[:middle] == b[:middle]:
+            low = middle
+        else:
+            high = middle - 1
+    return low
+
+
+@dataclass
+class ScoredPrefix:
+    """Prompt scores known for a slot's tokens: entry i scores tokens[i] (entry 0 is None)."""
+
+    scores: PromptScores
+    alternatives: int  # how many top alternatives each entry holds
+
+    @property
+    def length(self) -> int:
+        return len(self.scores.logprobs)
+
+    def head(self, count: int, alternatives: int) -> PromptScores:
+        """The first `count` entries with `alternatives` alternatives each (new lists)."""
+        s = self.scores
+        top = [t if t is None else t[:alternatives] for t in s.top[:count]]
+        return PromptScores(list(s.logprobs[:count]), list(s.ranks[:count]), top)
+
+
+@dataclass
+class Retained:
+    tokens: list[int]
+    scored: ScoredPrefix | None
+    last_used: int  # a logical clock: the least recently used retained slot is evicted first
+
+
+@dataclass
+class PrefixMatch:
+    """Where an admitted prompt's first `length` tokens' keys and values come from."""
+
+    length: int
+    slot: int | None  # a free slot holding them, taken over in place
+    source: object | None  # else a running sequence (the caller's object), copied from
+    scores: PromptScores | None = None  # entries 0..length when the request scores its prompt
+
+    @property
+    def adopt(self) -> bool:
+        return self.slot is not None
+
+
+def reusable_length(
+    prompt: list[int], tokens: list[int], scored: ScoredPrefix | None, alternatives: int | None
+) -> int:
+    """Prompt tokens whose cached keys and values can be reused.
+
+    At least the last prompt token is always computed again: its logits choose the first new
+    token. A request that scores its prompt (alternatives is not None) also needs, for every
+    reused token i, the score of prompt[i] itself, which the cached position i-1 produced; so
+    it reuses i < common only where that score was kept, with enough alternatives.
+    """
+    common = common_prefix_length(prompt, tokens)
+    if alternatives is None:
+        return min(common, len(prompt) - 1)
+    if scored is None or scored.alternatives < alternatives:
+        return 0
+    # Entry `length` (the first computed token's score) comes from the reused position length-1.
+    return max(0, min(common - 1, len(prompt) - 1, scored.length - 1))
+
+
+class PrefixCache:
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.retained: dict[int, Retained] = {}  # free slot → what it still holds
+        self._clock = 0
+
+    def keep(self, slot: int, tokens: list[int], scored: ScoredPrefix | None) -> None:
+        if self.enabled and tokens:
+            self._clock += 1
+            self.retained[slot] = Retained(tokens, scored, self._clock)
+
+    def drop(self, slot: int) -> None:
+        """The slot is given to a sequence: what it held is adopted or about to be overwritten."""
+        self.retained.pop(slot, None)
+
+    def length(self, slot: int) -> int:
+        kept = self.retained.get(slot)
+        return len(kept.tokens) if kept else 0
+
+    def clear(self) -> None:
+        self.retained.clear()
+
+    def eviction_order(self, free_slots: list[int]) -> list[int]:
+        """Free slots, those holding nothing first, then least recently used first."""
+        return sorted(free_slots, key=lambda slot: (slot in self.retained, self._last_used(slot), slot))
+
+    def _last_used(self, slot: int) -> int:
+        kept = self.retained.get(slot)
+        return kept.last_used if kept else 0
+
+    def move(self, src: int, dst: int) -> None:
+        """The retained contents of src now live in dst (a swap while packing)."""
+        kept = self.retained.pop(src, None)
+        if kept is not None:
+            self.retained[dst] = kept
+
+    def best_match(
+        self,
+        prompt: list[int],
+        alternatives: int | None,
+        running: list[tuple[object, list[int], ScoredPrefix | None]],
+    ) -> PrefixMatch | None:
+        """The longest reusable prefix among retained free slots and running sequences, given as
+        (sequence, the tokens its slot holds, their scores). Ties go to adopting in place."""
+        if not self.enabled:
+            return None
+        best: PrefixMatch | None = None
+        candidates = [(slot, None, kept.tokens, kept.scored) for slot, kept in self.retained.items()]
+        candidates += [(None, source, tokens, scored) for source, tokens, scored in running]
+        for slot, source, tokens, scored in candidates:
+            length = reusable_length(prompt, tokens, scored, alternatives)
+            if length > 0 and (best is None or (length, slot is not None) > (best.length, best.adopt)):
+                scores = scored.head(length + 1, alternatives) if alternatives is not None else None
+                best = PrefixMatch(length, slot, source, scores)
+        return best

@@ -1,0 +1,274 @@
+"""Prefix caching and chunked prefill change nothing a client can see.
+
+Each test runs the same requests through an engine that reuses cached prefixes and prefills in
+chunks and through a cold one (no cache, whole prompts): greedy tokens and seeded samples are
+identical, log-probabilities and prompt scores equal within 1e-5 (float32), and the stats show
+the reuse or the chunks really happened (so a test cannot pass by never reusing anything).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from service.engine.prefix_cache import PrefixCache, ScoredPrefix, common_prefix_length, reusable_length
+from service.engine.types import PromptScores
+from tests.engine.conftest import hf_generate, make_request, random_prompt, run_until_idle
+
+TOLERANCE = 1e-5  # float32: the same arithmetic over a different split of the positions
+CONTEXT = random_prompt(40, seed=40)
+
+
+def cold_engine(make_engine, **config):
+    return make_engine(prefix_caching=False, max_prefill_tokens=4096, **config)
+
+
+def run(engine, requests) -> dict:
+    """Submit each request in its own step (later ones find the earlier ones cached)."""
+    results = {}
+    for request in requests:
+        engine.submit([request])
+        results.update((f.request_id, f) for f in run_until_idle(engine))
+    return results
+
+
+def assert_same(ours, cold) -> None:
+    assert ours.keys() == cold.keys()
+    for request_id, result in ours.items():
+        reference = cold[request_id]
+        for seq, ref in zip(result.sequences, reference.sequences, strict=True):
+            assert seq.token_ids == ref.token_ids, request_id
+            torch.testing.assert_close(seq.logprobs, ref.logprobs, rtol=0, atol=TOLERANCE)
+        if reference.prompt_scores is not None:
+            ps, ref = result.prompt_scores, reference.prompt_scores
+            assert [[t for t, _ in top or []] for top in ps.top] == [[t for t, _ in top or []] for top in ref.top]
+            # A rank counts the tokens scored above the target: a neighbour within float32 noise of
+            # it (among 50,257 logits, deep in the ranking) may land on either side.
+            assert all(abs(a - b) <= 2 for a, b in zip(ps.ranks[1:], ref.ranks[1:], strict=True))
+            torch.testing.assert_close(ps.logprobs[1:], ref.logprobs[1:], rtol=0, atol=TOLERANCE)
+            torch.testing.assert_close(
+                [lp for top in ps.top[1:] for _, lp in top], [lp for top in ref.top[1:] for _, lp in top],
+                rtol=0, atol=TOLERANCE,
+            )
+
+
+def cached_tokens(engine, request) -> int:
+    """Submit one request and step it to the end; prompt tokens its admission reused."""
+    engine.submit([request])
+    reused = 0
+    while engine.has_work():
+        reused += engine.step().stats.cached_prompt_tokens
+    return reused
+
+
+# --- the matching rules ---------------------------------------------------------------------------
+def test_common_prefix_length():
+    assert common_prefix_length([1, 2, 3, 4], [1, 2, 9]) == 2
+    assert common_prefix_length([1, 2], [1, 2, 3]) == 2
+    assert common_prefix_length([5], [6]) == 0
+    assert common_prefix_length(list(range(1000)), list(range(999)) + [0]) == 999
+
+
+def test_reusable_length_always_recomputes_the_last_prompt_token():
+    prompt = [1, 2, 3, 4]
+    assert reusable_length(prompt, [1, 2, 3, 4, 5, 6], None, None) == 3  # its logits pick token one
+    assert reusable_length(prompt, [1, 2, 9], None, None) == 2
+    scores = PromptScores([None, -1.0, -2.0], [None, 1, 2], [None, [], []])  # tokens 1 and 2 scored
+    # Scoring needs prompt[i]'s kept score for every reused i, and enough alternatives.
+    assert reusable_length(prompt, [1, 2, 3, 4], ScoredPrefix(scores, 0), 0) == 2
+    assert reusable_length(prompt, [1, 2, 3, 4], ScoredPrefix(scores, 0), 2) == 0
+    assert reusable_length(prompt, [1, 2, 3, 4], None, 0) == 0
+
+
+def test_eviction_prefers_empty_slots_then_the_least_recently_used():
+    cache = PrefixCache(enabled=True)
+    cache.keep(3, [1, 2], None)
+    cache.keep(1, [4, 5], None)
+    assert cache.eviction_order([0, 1, 2, 3]) == [0, 2, 3, 1]
+    assert PrefixCache(enabled=False).best_match([1, 2, 3], None, []) is None
+
+
+# --- exactness through the engine ----------------------------------------------------------------
+def test_a_prompt_extending_a_finished_one_reuses_it_and_decodes_the_same(make_engine, hf_model):
+    first = make_request(CONTEXT, request_id="first", max_new_tokens=6)
+    follow_up = CONTEXT + random_prompt(9, seed=9)
+    engine = make_engine()
+    run(engine, [first])
+    second = make_request(follow_up, request_id="second", max_new_tokens=8)
+    assert cached_tokens(engine, second) == len(CONTEXT)
+    [result] = run(engine, [make_request(follow_up, request_id="third", max_new_tokens=8)]).values()
+    assert result.sequences[0].token_ids == hf_generate(hf_model, follow_up, 8)
+    warm = run(make_engine(), [first, make_request(follow_up, request_id="second", max_new_tokens=8)])
+    cold = run(cold_engine(make_engine), [first, make_request(follow_up, request_id="second", max_new_tokens=8)])
+    assert_same(warm, cold)
+
+
+def test_a_repeated_prompt_computes_only_its_last_token(make_engine):
+    engine = make_engine()
+    run(engine, [make_request(CONTEXT, max_new_tokens=3)])
+    engine.submit([make_request(CONTEXT, request_id="again", max_new_tokens=3)])
+    first_step = engine.step().stats
+    assert (first_step.prefill_tokens, first_step.cached_prompt_tokens) == (1, len(CONTEXT) - 1)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_seeded_sampling_is_identical_with_a_reused_prefix(make_engine, seed):
+    params = dict(do_sample=True, seed=seed, temperature=0.9, top_p=0.95, max_new_tokens=12, num_return_sequences=2)
+    requests = lambda: [  # noqa: E731 (fresh objects for each engine)
+        make_request(CONTEXT + [7, 8], request_id="a", **params),
+        make_request(CONTEXT + [9], request_id="b", **params),
+        make_request(CONTEXT, request_id="c", repetition_penalty=1.3, no_repeat_ngram_size=2, **params),
+    ]
+    assert_same(run(make_engine(), requests()), run(cold_engine(make_engine), requests()))
+
+
+def test_prompt_scores_reuse_the_kept_ones_and_equal_a_cold_run(make_engine):
+    scoring = dict(max_new_tokens=1, prompt_logprobs=True, top_logprobs=3)
+    choices = [random_prompt(4 + i, seed=100 + i) for i in range(4)]
+    requests = lambda: [make_request(CONTEXT + c, request_id=f"choice-{i}", **scoring) for i, c in enumerate(choices)]  # noqa: E731
+    engine = make_engine()
+    warm = run(engine, requests()[:1])
+    reused = [cached_tokens(engine, r) for r in requests()[1:]]
+    assert all(r == len(CONTEXT) - 1 for r in reused), reused  # all but the context's last token
+    warm.update(run(make_engine(), requests()))
+    assert_same(warm, run(cold_engine(make_engine), requests()))
+    # Fewer alternatives than were kept: reused; more: computed again, still exact.
+    fewer = make_request(CONTEXT + [3], request_id="fewer", max_new_tokens=1, prompt_logprobs=True, top_logprobs=1)
+    more = make_request(CONTEXT + [3], request_id="more", max_new_tokens=1, prompt_logprobs=True, top_logprobs=5)
+    assert cached_tokens(engine, fewer) > 0 and cached_tokens(engine, more) == 0
+
+
+def test_prompts_of_one_submission_share_their_context(make_engine):
+    """lm-eval's multiple choice in one request: the context is computed once, not four times."""
+    choices = [random_prompt(3 + i, seed=200 + i) for i in range(4)]
+    requests = lambda: [  # noqa: E731
+        make_request(CONTEXT + c, request_id=f"c{i}", max_new_tokens=2, prompt_logprobs=True) for i, c in enumerate(choices)
+    ]
+    engine = make_engine()
+    engine.submit(requests())
+    results, computed = {}, 0
+    while engine.has_work():
+        output = engine.step()
+        computed += output.stats.prefill_tokens
+        results.update((f.request_id, f) for f in output.finished)
+    assert computed < len(CONTEXT) + sum(len(c) + 2 for c in choices)
+    cold = cold_engine(make_engine)
+    assert_same(results, {r.request_id: f for r, f in zip(requests(), cold.generate(requests()))})
+
+
+def test_beams_and_several_samples_start_from_a_reused_prefix(make_engine):
+    requests = lambda: [  # noqa: E731
+        make_request(CONTEXT, request_id="warm-up", max_new_tokens=2),
+        make_request(CONTEXT + [11, 12], request_id="beams", max_new_tokens=6, num_beams=3, num_return_sequences=2),
+        make_request(CONTEXT + [13], request_id="samples", max_new_tokens=6, do_sample=True, seed=5, num_return_sequences=3),
+    ]
+    warm, cold = run(make_engine(), requests()), run(cold_engine(make_engine), requests())
+    for request_id in ("beams", "samples"):
+        assert [s.token_ids for s in warm[request_id].sequences] == [s.token_ids for s in cold[request_id].sequences]
+    assert_same({"samples": warm["samples"]}, {"samples": cold["samples"]})
+
+
+def test_least_recently_used_prefixes_are_evicted_and_nothing_changes(make_engine):
+    engine = make_engine(max_slots=2)
+    prompts = [random_prompt(30, seed=300 + i) for i in range(3)]
+    for i, prompt in enumerate(prompts):
+        run(engine, [make_request(prompt, request_id=f"fill-{i}", max_new_tokens=2)])
+    # Two slots: the first prompt was evicted, the last two are still cached.
+    assert cached_tokens(engine, make_request(prompts[0], max_new_tokens=2)) == 0
+    assert cached_tokens(engine, make_request(prompts[2], max_new_tokens=2)) == 29
+    requests = lambda: [make_request(p + [1], request_id=f"again-{i}", max_new_tokens=5) for i, p in enumerate(prompts)]  # noqa: E731
+    assert_same(run(engine, requests()), run(cold_engine(make_engine, max_slots=2), requests()))
+
+
+# --- chunked prefill --------------------------------------------------------------------------------
+@pytest.mark.parametrize("budget", [1, 7, 16])
+def test_a_long_prompt_in_chunks_decodes_as_in_one_piece(make_engine, hf_model, budget):
+    prompt = random_prompt(50, seed=50)
+    scoring = dict(max_new_tokens=6, prompt_logprobs=True, top_logprobs=2)
+    engine = make_engine(max_prefill_tokens=budget)
+    engine.submit([make_request(prompt, request_id="long", **scoring)])
+    steps = 0
+    while engine.has_work():
+        assert engine.step().stats.prefill_tokens <= budget
+        steps += 1
+    assert steps >= -(-len(prompt) // budget)
+    warm = run(make_engine(max_prefill_tokens=budget, prefix_caching=False), [make_request(prompt, request_id="x", **scoring)])
+    cold = run(cold_engine(make_engine), [make_request(prompt, request_id="x", **scoring)])
+    assert_same(warm, cold)
+    assert warm["x"].sequences[0].token_ids == hf_generate(hf_model, prompt, 6)
+
+
+def test_running_streams_keep_decoding_while_a_long_prompt_arrives(make_engine):
+    engine = make_engine(max_slots=4, max_prefill_tokens=16)
+    streams = [make_request(random_prompt(5, seed=s), request_id=f"s{s}", max_new_tokens=30) for s in range(3)]
+    engine.submit(streams)
+    engine.step()
+    engine.submit([make_request(random_prompt(100, seed=7), request_id="long", max_new_tokens=2)])
+    for _ in range(100 // 16):  # every step of the arrival gives each stream a token
+        output = engine.step()
+        assert sorted(e.request_id for e in output.events) == ["s0", "s1", "s2"]
+        assert 0 < output.stats.prefill_tokens <= 16
+    results = {f.request_id: f for f in run_until_idle(engine)}
+    cold = {r.request_id: f for r, f in zip(streams, cold_engine(make_engine).generate(
+        [make_request(random_prompt(5, seed=s), request_id=f"s{s}", max_new_tokens=30) for s in range(3)]))}
+    assert_same({k: results[k] for k in cold}, cold)
+
+
+def test_chunk_boundaries_inside_multibyte_characters(make_engine, tokenizer):
+    prompt = tokenizer.encode("日本語の文章🙂 and ünïcödé 🎉🎉 text " * 3)
+    # A boundary after token k lands inside a character when the first k tokens decode to a
+    # partial one (U+FFFD); pick a budget that puts one there.
+    inside = next(k for k in range(1, len(prompt)) if tokenizer.decode(prompt[:k]).endswith("\ufffd"))
+    params = dict(max_new_tokens=8, do_sample=True, seed=3, prompt_logprobs=True)
+    warm = run(make_engine(max_prefill_tokens=inside), [make_request(prompt, request_id="u", **params)])
+    cold = run(cold_engine(make_engine), [make_request(prompt, request_id="u", **params)])
+    assert_same(warm, cold)
+    assert warm["u"].sequences[0].text == cold["u"].sequences[0].text
+
+
+def test_a_request_cancelled_mid_prefill_leaves_only_complete_chunks(make_engine):
+    prompt = random_prompt(60, seed=60)
+    engine = make_engine(max_prefill_tokens=16)
+    engine.submit([make_request(prompt, request_id="gone", max_new_tokens=4)])
+    engine.step()
+    engine.step()  # 32 of 60 prompt tokens are in its slot
+    engine.cancel("gone")
+    [cancelled] = run_until_idle(engine)
+    assert cancelled.sequences[0].finish_reason == "cancelled"
+    again = make_request(prompt, request_id="again", max_new_tokens=4)
+    assert cached_tokens(engine, again) == 32
+    warm = run(make_engine(max_prefill_tokens=16), [make_request(prompt, request_id="again", max_new_tokens=4)])
+    assert_same(warm, run(cold_engine(make_engine), [make_request(prompt, request_id="again", max_new_tokens=4)]))
+
+
+def test_a_failed_step_forgets_every_cached_prefix(make_engine):
+    engine = make_engine()
+    run(engine, [make_request(CONTEXT, max_new_tokens=2)])
+    real_run = engine.core._run
+    engine.core._run = lambda *args: (_ for _ in ()).throw(RuntimeError("device lost"))
+    engine.submit([make_request(CONTEXT + [1], request_id="fails", max_new_tokens=2)])
+    assert [f.request_id for f in engine.step().failed] == ["fails"]
+    engine.core._run = real_run
+    assert cached_tokens(engine, make_request(CONTEXT, max_new_tokens=2)) == 0
+
+
+# --- static decode padding (the path CUDA graphs replay, run eagerly here) --------------------------
+def test_padded_decode_rows_never_overwrite_a_cached_prefix(make_engine, hf_model):
+    """A finished prompt stays cached in a free slot; three streams then decode on three slots
+    padded to four, the fourth being that free slot; the cached prefix must survive."""
+    engine = make_engine(max_slots=4, static_decode=True)
+    run(engine, [make_request(CONTEXT, request_id="cached", max_new_tokens=2)])
+    streams = [make_request(random_prompt(6, seed=s), request_id=f"s{s}", max_new_tokens=12) for s in range(3)]
+    engine.submit(streams)
+    engine.step()
+    retained = engine.scheduler.prefix.retained
+    assert list(retained) == [3] and engine.cache.slots_used == 3  # packing moved it to slot 3
+    run_until_idle(engine)
+    follow_up = CONTEXT + [21, 22]
+    request = make_request(follow_up, request_id="reuses", max_new_tokens=10)
+    engine.submit([request])
+    assert engine.step().stats.cached_prompt_tokens == len(CONTEXT)
+    [result] = run_until_idle(engine)
+    assert result.sequences[0].token_ids == hf_generate(hf_model, follow_up, 10)
+    cold = cold_engine(make_engine).generate([make_request(follow_up, request_id="reuses", max_new_tokens=10)])
+    assert_same({"reuses": result}, {"reuses": cold[0]})
