@@ -18,9 +18,10 @@ from dataclasses import dataclass
 from service.engine.types import PromptScores
 
 
-def common_prefix_length(a: list[int], b: list[int]) -> int:
-    """How many leading tokens a and b share; list slices compare in C, so this bisects."""
-    low, high = 0, min(len(a), len(b))
+def common_prefix_length(a: list[int], b: list[int], limit: int | None = None) -> int:
+    """How many leading tokens a and b share (at most `limit`); list slices compare in C, so
+    this bisects."""
+    low, high = 0, min(len(a), len(b), len(a) if limit is None else limit)
     while low < high:
         middle = (low + high + 1) // 2
         if a[:middle] == b[:middle]:
@@ -70,7 +71,8 @@ class PrefixMatch:
 
 
 def reusable_length(
-    prompt: list[int], tokens: list[int], scored: ScoredPrefix | None, alternatives: int | None
+    prompt: list[int], tokens: list[int], scored: ScoredPrefix | None, alternatives: int | None,
+    cached: int | None = None,
 ) -> int:
     """Prompt tokens whose cached keys and values can be reused.
 
@@ -78,8 +80,9 @@ def reusable_length(
     token. A request that scores its prompt (alternatives is not None) also needs, for every
     reused token i, the score of prompt[i] itself, which the cached position i-1 produced; so
     it reuses i < common only where that score was kept, with enough alternatives.
+    `cached`: how many of `tokens` the slot holds (default all).
     """
-    common = common_prefix_length(prompt, tokens)
+    common = common_prefix_length(prompt, tokens, cached)
     if alternatives is None:
         return min(common, len(prompt) - 1)
     if scored is None or scored.alternatives < alternatives:
@@ -128,17 +131,18 @@ class PrefixCache:
         self,
         prompt: list[int],
         alternatives: int | None,
-        running: list[tuple[object, list[int], ScoredPrefix | None]],
+        running: list[tuple[object, list[int], int, ScoredPrefix | None]],
     ) -> PrefixMatch | None:
         """The longest reusable prefix among retained free slots and running sequences, given as
-        (sequence, the tokens its slot holds, their scores). Ties go to adopting in place."""
+        (sequence, its tokens, how many its slot holds, their scores). Ties go to adopting in
+        place."""
         if not self.enabled:
             return None
         best: PrefixMatch | None = None
-        candidates = [(slot, None, kept.tokens, kept.scored) for slot, kept in self.retained.items()]
-        candidates += [(None, source, tokens, scored) for source, tokens, scored in running]
-        for slot, source, tokens, scored in candidates:
-            length = reusable_length(prompt, tokens, scored, alternatives)
+        candidates = [(slot, None, kept.tokens, None, kept.scored) for slot, kept in self.retained.items()]
+        candidates += [(None, source, tokens, cached, scored) for source, tokens, cached, scored in running]
+        for slot, source, tokens, cached, scored in candidates:
+            length = reusable_length(prompt, tokens, scored, alternatives, cached)
             if length > 0 and (best is None or (length, slot is not None) > (best.length, best.adopt)):
                 scores = scored.head(length + 1, alternatives) if alternatives is not None else None
                 best = PrefixMatch(length, slot, source, scores)

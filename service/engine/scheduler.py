@@ -277,9 +277,9 @@ class Scheduler:
                 self._waiting_count -= len(admitted)
         return admitted
 
-    def _running_prefixes(self) -> list[tuple[Sequence, list[int], object]]:
+    def _running_prefixes(self) -> list[tuple[Sequence, list[int], int, ScoredPrefix | None]]:
         return [
-            (seq, seq.token_ids[: seq.cached], state.scored_prefix)
+            (seq, seq.token_ids, seq.cached, state.scored_prefix)
             for state in self.running
             for seq in state.live
             if seq.cached

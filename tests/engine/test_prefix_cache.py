@@ -67,6 +67,7 @@ def test_common_prefix_length():
     assert common_prefix_length([1, 2], [1, 2, 3]) == 2
     assert common_prefix_length([5], [6]) == 0
     assert common_prefix_length(list(range(1000)), list(range(999)) + [0]) == 999
+    assert common_prefix_length([1, 2, 3], [1, 2, 3], limit=2) == 2  # a slot holding only two of them
 
 
 def test_reusable_length_always_recomputes_the_last_prompt_token():
