@@ -12,6 +12,9 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from model.config import DTYPES
 
 
+CPU_PREFILL_TOKENS, CUDA_PREFILL_TOKENS = 256, 2048
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="GPT2_", extra="ignore")
 
@@ -31,9 +34,9 @@ class Settings(BaseSettings):
         None, ge=2, description="prompt + generated tokens per sequence; default: the model's context"
     )
     max_waiting: int = Field(64, ge=1, le=100_000, description="requests that may wait beyond max_batch_size running; more get 429")
-    max_prefill_tokens: int = Field(
-        512, ge=1, le=1_000_000,
-        description="prompt tokens prefilled per engine step (rows x longest chunk); longer prompts are prefilled in chunks between decode steps",
+    max_prefill_tokens: int | None = Field(
+        None, ge=1, le=1_000_000,
+        description="prompt tokens prefilled per engine step (rows x longest chunk); longer prompts are prefilled in chunks between decode steps; default 256 on CPU, 2048 on CUDA",
     )
     prefix_caching: bool = Field(True, description="keep finished sequences' keys and values; prompts reuse their longest cached prefix")
     max_new_tokens: int = Field(1024, ge=1, description="largest max_new_tokens a request may ask for")
@@ -90,6 +93,15 @@ class Settings(BaseSettings):
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
+
+    @property
+    def prefill_budget(self) -> int:
+        """Prompt tokens per step. On the CPU a 256-token chunk costs ~5 decode steps of 16
+        rows (bench/bench_prefix.py's long-arrival), so streams slow but never stall; a GPU
+        prefills 2048 in about one decode step's time."""
+        if self.max_prefill_tokens is not None:
+            return self.max_prefill_tokens
+        return CUDA_PREFILL_TOKENS if self.device == "cuda" else CPU_PREFILL_TOKENS
 
     def context_length(self, n_positions: int) -> int:
         """Longest sequence (prompt + generated) served: the setting, capped by the model."""

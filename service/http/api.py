@@ -63,7 +63,7 @@ async def info(request: Request) -> dict:
             "slots_total": settings.max_batch_size,
             "prefix_caching": settings.prefix_caching,
         },
-        "max_prefill_tokens_per_step": settings.max_prefill_tokens,
+        "max_prefill_tokens_per_step": settings.prefill_budget,
         "version": package_version(),
     }
 

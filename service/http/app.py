@@ -62,7 +62,7 @@ def build_client(state: ServiceState) -> EngineClient:
         # the core's own queue never refuses one: a beam request holds several slots, so up to
         # all of them may wait.
         max_waiting=settings.max_batch_size + settings.max_waiting,
-        max_prefill_tokens=settings.max_prefill_tokens,
+        max_prefill_tokens=settings.prefill_budget,
         prefix_caching=settings.prefix_caching,
         static_decode=settings.cuda_graphs and settings.device == "cuda",
     )

@@ -132,7 +132,7 @@ def test_info_reports_model_and_limits(client, tiny_model_dir):
     assert info["weights_origin"]["source"] == "user"  # a test-written folder without ORIGIN.json
     assert info["kv_cache"]["slots_total"] == 4
     assert info["kv_cache"]["prefix_caching"] is True
-    assert info["max_prefill_tokens_per_step"] == 512
+    assert info["max_prefill_tokens_per_step"] == 256  # the CPU's default
 
 
 def test_body_over_limit_gets_413_before_parsing(tiny_model_dir):
