@@ -10,6 +10,7 @@ from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from model.config import DTYPES
+from service.engine.ngram_drafter import NgramSettings
 
 
 CPU_PREFILL_TOKENS, CUDA_PREFILL_TOKENS = 256, 2048
@@ -38,6 +39,12 @@ class Settings(BaseSettings):
         None, ge=1, le=1_000_000,
         description="prompt tokens prefilled per engine step (rows x longest chunk); longer prompts are prefilled in chunks between decode steps; default 256 on CPU, 2048 on CUDA",
     )
+    speculative_ngram: bool = Field(
+        True, description="speculative decoding: draft tokens from the sequence's own n-grams, verified in one forward"
+    )
+    speculative_ngram_min: int = Field(1, ge=1, le=16, description="shortest n-gram looked up for a draft")
+    speculative_ngram_max: int = Field(3, ge=1, le=16, description="longest n-gram looked up (tried first)")
+    speculative_tokens: int = Field(4, ge=1, le=16, description="tokens drafted per sequence per step (k)")
     prefix_caching: bool = Field(True, description="keep finished sequences' keys and values; prompts reuse their longest cached prefix")
     max_new_tokens: int = Field(1024, ge=1, description="largest max_new_tokens a request may ask for")
     default_max_new_tokens: int = Field(20, ge=1, description="max_new_tokens when a TGI request gives none")
@@ -80,6 +87,10 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _consistent(self) -> "Settings":
+        if self.speculative_ngram_min > self.speculative_ngram_max:
+            raise ValueError(
+                f"speculative_ngram_min ({self.speculative_ngram_min}) exceeds speculative_ngram_max ({self.speculative_ngram_max})"
+            )
         if self.default_max_new_tokens > self.max_new_tokens:
             raise ValueError(
                 f"default_max_new_tokens ({self.default_max_new_tokens}) exceeds max_new_tokens ({self.max_new_tokens})"
@@ -93,6 +104,12 @@ class Settings(BaseSettings):
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
+
+    @property
+    def speculation(self) -> NgramSettings | None:
+        if not self.speculative_ngram:
+            return None
+        return NgramSettings(self.speculative_ngram_min, self.speculative_ngram_max, self.speculative_tokens)
 
     @property
     def prefill_budget(self) -> int:

@@ -25,17 +25,20 @@ import torch
 from model.gpt2 import GPT2
 from model.kv_cache import KVCache
 from model.sampling import choose_tokens
-from model.scoring import score_tokens, top_alternatives
+from model.scoring import top_alternatives
 from service.engine.beams import advance_beams, beam_results, start_beam_search
+from service.engine.forward import forward_from
 from service.engine.graphs import StaticDecode
+from service.engine.prompt_scores import add_prompt_scores
 from service.engine.scheduler import PrefillChunk, RequestState, Scheduler, Sequence, StepPlan
 from service.engine.slot_controls import SlotControls
 from service.engine.slot_params import SlotParams
+from service.engine.speculation import kept_length, new_drafter, propose
+from service.engine.ngram_drafter import NgramSettings
 from service.engine.types import (
     CoreStep,
     CoreToken,
     GenerationRequest,
-    PromptScores,
     RequestDone,
     RequestFailed,
     RequestStarted,
@@ -48,9 +51,6 @@ log = logging.getLogger(__name__)
 # Spreads the seeds of a request's several sampled sequences (2^64 / golden ratio).
 SEED_STRIDE = 0x9E3779B97F4A7C15
 SEED_MODULUS = 2**63  # seeds are int64 tensors on the device
-# Prompt log-probabilities go through the LM head this many positions at a time, so a long
-# prompt never materialises [prompt, vocab] logits at once.
-PROMPT_LOGPROB_CHUNK = 256
 
 
 @dataclass(frozen=True)
@@ -66,6 +66,8 @@ class EngineConfig:
     # Decode with static shapes (graphs.py): captured as CUDA graphs on a GPU, run eagerly
     # elsewhere (tests prove the static path's tokens on the CPU).
     static_decode: bool = False
+    # Speculative decoding from n-gram drafts (speculation.py); None: off.
+    speculative: NgramSettings | None = None
 
 
 @dataclass
@@ -73,8 +75,10 @@ class StepRows:
     """The layout of one step's logits, known before the forwards run."""
 
     decoding: list[Sequence]  # the decode batch, in slot order
-    row_of: dict[int, int]  # slot → its row in the step's logits
-    sampled: list[tuple[RequestState, Sequence]]  # what the sampler draws for (beams aside)
+    row_of: dict[int, int]  # slot → its (first) row in the step's logits
+    # What the sampler draws for (beams aside): one row per sequence, 1 + k for one with a
+    # draft of k tokens (its rows are consecutive).
+    sampled: list[tuple[RequestState, Sequence]]
     sample_rows: torch.Tensor  # [B] logits row of each sampled sequence
     sample_slots: torch.Tensor  # [B] its KV-cache slot (and parameter-table row)
     sample_counters: torch.Tensor  # [B] tokens its sequence holds: which draw of its seed
@@ -96,6 +100,9 @@ class StepResults:
     tokens: list[CoreToken] = field(default_factory=list)
     started: list[RequestStarted] = field(default_factory=list)
     done: list[RequestDone] = field(default_factory=list)
+    decode_output_tokens: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
 
 
 class EngineCore:
@@ -145,6 +152,7 @@ class EngineCore:
             prefill_tokens = sum(chunk.end - chunk.start for chunk in plan.prefill)
             cached_tokens = plan.cached_tokens
             decode_tokens = sum(len(s.live) for s in plan.decode)
+            results.decode_output_tokens = sum(len(s.live) for s in plan.decode if s.beam is not None)  # one each
             if plan.prefill or plan.decode:
                 batch_size = self._run_and_postprocess(plan, results)
         except Exception as exc:  # e.g. out of device memory: fail these requests, keep serving
@@ -164,6 +172,9 @@ class EngineCore:
             kv_slots_total=self.cache.max_slots,
             step_seconds=self.clock() - started,
             finished=len(results.done),
+            decode_output_tokens=results.decode_output_tokens,
+            draft_tokens=results.draft_tokens,
+            accepted_tokens=results.accepted_tokens,
         )
         return CoreStep(results.tokens, results.started, results.done, failed, stats)
 
@@ -172,6 +183,7 @@ class EngineCore:
         completing = plan.completing
         active = completing + plan.decode
         with torch.inference_mode():
+            propose(plan.decode)
             rows = self._layout(plan)
             for src, dst, length, swap in plan.moves:
                 self._move(src, dst, length, swap)
@@ -187,7 +199,7 @@ class EngineCore:
             RequestStarted(s.request.request_id, s.scheduled_time - s.request.arrival_time, s.seed, s.prompt_scores)
             for s in completing
         ]
-        results.tokens = [self._advance(s) for s in sampled]
+        self._advance_all(sampled, results)
         results.done += [self._finish(state) for state in active if state.done]
         self.scheduler.drop_finished()
         return len(rows.row_of)
@@ -206,7 +218,8 @@ class EngineCore:
                 seed = (state.seed + index * SEED_STRIDE) % SEED_MODULUS if params.do_sample else 0
                 self.slot_params.write(slot, params, prompt, seed)
                 self.slot_controls.write(slot, params, prompt)
-            sequences.append(Sequence(index, slot, list(prompt), len(prompt)))
+            drafter = new_drafter(self.config.speculative, params)
+            sequences.append(Sequence(index, slot, list(prompt), len(prompt), drafter=drafter))
         return sequences
 
     def _move(self, src: int, dst: int, length: int, swap: bool) -> None:
@@ -230,24 +243,34 @@ class EngineCore:
         row_of = {
             seq.slot: row for row, chunk in enumerate(plan.prefill) if chunk.completes for seq in chunk.state.sequences
         }
-        row_of.update((seq.slot, len(plan.prefill) + row) for row, seq in enumerate(decoding))
+        row = len(plan.prefill)
+        for seq in decoding:
+            row_of[seq.slot] = row
+            row += 1 + len(seq.draft)
         sampled = [
             (state, seq)
             for state in plan.completing + plan.decode
             if state.beam is None
             for seq in state.live
+            for _ in range(1 + len(seq.draft))
         ]
+        # Row j of a sequence's 1 + k draws the token at its length + j (its seed's draw there).
+        positions, previous = [], None
+        for _, seq in sampled:
+            positions.append(positions[-1] + 1 if seq is previous else 0)
+            previous = seq
         # One host→device copy for the three index vectors: [3, B].
         indices = torch.tensor(
-            [[row_of[seq.slot], seq.slot, len(seq.token_ids)] for _, seq in sampled], dtype=torch.long
+            [[row_of[seq.slot] + j, seq.slot, len(seq.token_ids) + j] for (_, seq), j in zip(sampled, positions)],
+            dtype=torch.long,
         ).reshape(-1, 3).t().to(self.device, non_blocking=True)
         sample_rows, sample_slots, sample_counters = indices  # [B] each
         return StepRows(decoding, row_of, sampled, sample_rows, sample_slots, sample_counters)
 
     def _run(self, plan: StepPlan, rows: StepRows) -> torch.Tensor:
         """Logits [rows, V] in the layout of `rows`: prefill rows, then decode rows."""
-        # Decode runs first: a padded static-decode row may write into a slot admitted this
-        # step, and that slot's prefill must come after to overwrite it.
+        # The two forwards touch disjoint cache entries (padded rows write only positions no
+        # sequence caches), so their order is free.
         decoded = self._decode(rows.decoding) if rows.decoding else None
         prefilled = self._prefill(plan.prefill) if plan.prefill else None
         parts = [part for part in (prefilled, decoded) if part is not None]
@@ -256,32 +279,20 @@ class EngineCore:
     def _prefill(self, chunks: list[PrefillChunk]) -> torch.Tensor:
         """Each chunk's prompt tokens from its offset, over the keys its slot already holds (a
         reused prefix, earlier chunks). Logits [B, V] at each chunk's last token."""
-        pieces = [chunk.state.request.prompt_ids[chunk.start : chunk.end] for chunk in chunks]
-        width = max(len(piece) for piece in pieces)
-        # Padding sits after each chunk, at positions its real tokens never attend to; clamped to
-        # the slot's last position, which no sequence ever caches (its last token is never fed).
-        padded = [piece + [self.eos_token_id] * (width - len(piece)) for piece in pieces]
-        input_ids = torch.tensor(padded, device=self.device)  # [B, T]
-        starts = [chunk.start for chunk in chunks]
-        last_position = self.cache.max_len - 1
-        positions = (torch.tensor(starts, device=self.device)[:, None] + torch.arange(width, device=self.device))
-        positions = positions.clamp_(max=last_position)  # [B, T]
-        last = torch.tensor([len(piece) - 1 for piece in pieces], device=self.device)  # [B]
-        want_prompt_logprobs = any(chunk.state.params.prompt_logprobs for chunk in chunks)
-        out = self.model(
-            input_ids,
-            positions,
+        out = forward_from(
+            self.model,
             self.cache,
-            self.cache.batch([chunk.state.sequences[0].slot for chunk in chunks]),
-            kv_length=min(max(starts) + width, last_position + 1),
-            logits_index=last,
-            output_hidden_states=want_prompt_logprobs,
+            [chunk.state.sequences[0].slot for chunk in chunks],
+            [chunk.start for chunk in chunks],
+            [chunk.state.request.prompt_ids[chunk.start : chunk.end] for chunk in chunks],
+            self.eos_token_id,
+            hidden_states=any(chunk.state.params.prompt_logprobs for chunk in chunks),
         )
         for row, chunk in enumerate(chunks):
             state = chunk.state
             state.prefilled = state.sequences[0].cached = chunk.end
             if state.params.prompt_logprobs:
-                self._add_prompt_scores(state, chunk, out.hidden_states[-1][row])
+                add_prompt_scores(self.model, state, chunk, out.hidden[row])
         # Several sampled sequences of one prompt: the prompt ran once, into the first slot.
         copies = [
             (chunk.state.sequences[0].slot, seq)
@@ -296,36 +307,13 @@ class EngineCore:
                 seq.cached = len(seq.token_ids)
         return out.logits  # [B, V]
 
-    def _add_prompt_scores(self, state: RequestState, chunk: PrefillChunk, hidden: torch.Tensor) -> None:
-        """Score the prompt tokens this chunk's hidden states [T, C] predict: start+1 .. end (the
-        token after the chunk is the next chunk's first, or, after the last one, generated)."""
-        prompt = state.request.prompt_ids
-        end = min(chunk.end + 1, len(prompt))
-        scores = self._prompt_scores(hidden[: end - chunk.start - 1], prompt[chunk.start + 1 : end], state.params.top_logprobs)
-        if state.prompt_scores is None:
-            state.prompt_scores = PromptScores([None], [None], [None])
-        state.prompt_scores.logprobs += scores.logprobs
-        state.prompt_scores.ranks += scores.ranks
-        state.prompt_scores.top += scores.top
-
-    def _prompt_scores(self, hidden: torch.Tensor, targets: list[int], n: int) -> PromptScores:
-        """How the model scores targets[i] from hidden states [m, C] (row i precedes it):
-        log-probability, rank and n alternatives, copied to the host at once."""
-        target_ids = torch.tensor(targets, device=self.device)  # [m]
-        chunks = []
-        for start in range(0, len(targets), PROMPT_LOGPROB_CHUNK):
-            end = min(start + PROMPT_LOGPROB_CHUNK, len(targets))
-            logits = self.model.lm_head(self.model.ln_f(hidden[start:end])).float()  # [m', V]
-            s = score_tokens(logits, target_ids[start:end], n)
-            # [m', 2 + 2n]: logprob, rank, alternatives' ids, their logprobs (float64 holds ids exactly)
-            chunks.append(torch.cat([s.logprobs[:, None].double(), s.ranks[:, None].double(),
-                                     s.top_ids.double(), s.top_logprobs.double()], dim=1))
-        rows = torch.cat(chunks).tolist() if chunks else []
-        top = [list(zip(map(int, r[2 : 2 + n]), r[2 + n :])) for r in rows]
-        return PromptScores([r[0] for r in rows], [int(r[1]) for r in rows], top)
-
     def _decode(self, seqs: list[Sequence]) -> torch.Tensor:
+        """Logits [B + drafted tokens, V]: one row per sequence, 1 + k for one with a draft."""
         slots = [s.slot for s in seqs]
+        if any(s.draft for s in seqs):  # verification: 1 + k positions per row, eagerly
+            starts = [len(s.token_ids) - 1 for s in seqs]
+            pieces = [[s.token_ids[-1]] + s.draft for s in seqs]
+            return forward_from(self.model, self.cache, slots, starts, pieces, self.eos_token_id, every_position=True).logits
         if self.static_decode is not None:
             return self.static_decode.run(slots, [s.token_ids[-1] for s in seqs], [len(s.token_ids) - 1 for s in seqs])
         input_ids = torch.tensor([[s.token_ids[-1]] for s in seqs], device=self.device)  # [B, 1]
@@ -364,6 +352,27 @@ class EngineCore:
         ]
 
     # --- postprocess ------------------------------------------------------------------------------
+    def _advance_all(self, sampled: list[SampledToken], results: StepResults) -> None:
+        """Append each sequence's tokens: its draft's that stand, then the model's own."""
+        start = 0
+        while start < len(sampled):
+            seq = sampled[start].seq
+            end = start + 1 + len(seq.draft)
+            draft, decoding = seq.draft, len(seq.token_ids) > seq.prompt_length
+            keep = kept_length([s.token for s in sampled[start:end]], draft)
+            emitted = 0
+            for token in sampled[start : start + keep]:
+                results.tokens.append(self._advance(token))
+                emitted += 1
+                if seq.finish_reason is not None:
+                    break
+            if decoding:
+                results.decode_output_tokens += emitted
+                results.draft_tokens += len(draft)
+                results.accepted_tokens += emitted - 1
+            seq.draft = []
+            start = end
+
     def _advance(self, sampled: SampledToken) -> CoreToken:
         state, seq, token = sampled.state, sampled.seq, sampled.token
         seq.token_ids.append(token)

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from model.kv_cache import KVCache
+from service.engine.ngram_drafter import NgramIndex
 from service.engine.prefix_cache import PrefixCache, PrefixMatch, ScoredPrefix, common_prefix_length
 from service.engine.validation import slots_needed, validate_request
 from service.engine.types import (
@@ -43,6 +44,8 @@ class Sequence:
     # Leading token_ids whose keys and values the slot holds, written by completed forwards:
     # what the prefix cache may keep when the sequence leaves. All but the last once decoding.
     cached: int = 0
+    drafter: NgramIndex | None = None  # speculative decoding's n-gram index of token_ids
+    draft: list[int] = field(default_factory=list)  # this step's drafted tokens
 
     @property
     def generated(self) -> list[int]:

@@ -59,6 +59,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()  # end the sequence as EOS does
     no_repeat_ngram_size: int = 0  # 0: off
     bad_words_ids: tuple[tuple[int, ...], ...] = ()
+    speculate: bool = True  # draft from n-grams when the server speculates (service/engine/speculation.py)
 
 
 # A token's most likely alternatives, most likely first: (token id, log-probability).
@@ -171,6 +172,9 @@ class StepStats:
     step_seconds: float
     finished: int = 0  # requests that finished this step
     cached_prompt_tokens: int = 0  # prompt tokens admitted this step whose keys were cached
+    decode_output_tokens: int = 0  # tokens the decoding sequences produced (> decode_tokens when drafts stood)
+    draft_tokens: int = 0  # drafted tokens verified this step
+    accepted_tokens: int = 0  # of which the model's own choice agreed
 
     @property
     def kv_usage_ratio(self) -> float:

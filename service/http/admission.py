@@ -127,6 +127,7 @@ def tgi_sampling(p: TGIParameters, limits: Limits) -> SamplingParams:
         num_return_sequences=max(p.num_return_sequences, p.best_of or 1),
         prompt_logprobs=p.decoder_input_details,
         top_logprobs=alternatives(p.top_n_tokens or 0, p.num_beams),
+        speculate=p.speculate,
         **decoding_controls(
             limits, p.num_beams, min_p=p.min_p or 0.0, typical_p=p.typical_p or 1.0,
             min_new_tokens=p.min_new_tokens or 0, stop_token_ids=p.stop_token_ids,
@@ -158,6 +159,7 @@ def openai_sampling(req: CompletionRequest, limits: Limits) -> SamplingParams:
         prompt_logprobs=(req.echo and req.logprobs is not None) or req.prompt_logprobs is not None,
         # One count serves generated and prompt tokens; the route keeps what each asked for.
         top_logprobs=alternatives(max(req.logprobs or 0, req.prompt_logprobs or 0), 1),
+        speculate=req.speculate,
         **decoding_controls(
             limits, 1, presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
             logit_bias=req.logit_bias, min_p=req.min_p, typical_p=req.typical_p, min_new_tokens=req.min_tokens,

@@ -64,6 +64,12 @@ async def info(request: Request) -> dict:
             "prefix_caching": settings.prefix_caching,
         },
         "max_prefill_tokens_per_step": settings.prefill_budget,
+        "speculative_decoding": {
+            "method": "ngram" if settings.speculative_ngram else None,
+            "ngram_min": settings.speculative_ngram_min,
+            "ngram_max": settings.speculative_ngram_max,
+            "tokens": settings.speculative_tokens,
+        },
         "version": package_version(),
     }
 

@@ -64,6 +64,7 @@ def build_client(state: ServiceState) -> EngineClient:
         max_waiting=settings.max_batch_size + settings.max_waiting,
         max_prefill_tokens=settings.prefill_budget,
         prefix_caching=settings.prefix_caching,
+        speculative=settings.speculation,
         static_decode=settings.cuda_graphs and settings.device == "cuda",
     )
     config = CoreProcessConfig(

@@ -75,6 +75,16 @@ class Metrics:
         self.generated_tokens = Counter(
             "gpt2_generated_tokens", "Tokens generated, over all returned sequences", registry=r
         )
+        self.decode_steps = Counter(
+            "gpt2_decode_sequence_steps", "Sequence-steps of decoding: one pass over the weights for one sequence", registry=r
+        )
+        self.decode_tokens = Counter(
+            "gpt2_decode_tokens", "Tokens those sequence-steps produced (more than one where drafts stood)", registry=r
+        )
+        self.draft_tokens = Counter("gpt2_spec_draft_tokens", "Speculative tokens drafted and verified", registry=r)
+        self.accepted_tokens = Counter(
+            "gpt2_spec_accepted_tokens", "Drafted tokens that matched the model's own choice", registry=r
+        )
         self.requests_running = Gauge("gpt2_requests_running", "Requests holding KV-cache slots", registry=r)
         self.requests_waiting = Gauge("gpt2_requests_waiting", "Requests queued for a free slot", registry=r)
         self.batch_size = Histogram(
@@ -105,6 +115,10 @@ class Metrics:
             self.batch_size.observe(stats.batch_size)
         self.prompt_tokens_computed.inc(stats.prefill_tokens)
         self.prompt_tokens_cached.inc(stats.cached_prompt_tokens)
+        self.decode_steps.inc(stats.decode_tokens)
+        self.decode_tokens.inc(stats.decode_output_tokens)
+        self.draft_tokens.inc(stats.draft_tokens)
+        self.accepted_tokens.inc(stats.accepted_tokens)
         self.requests_running.set(stats.running)
         self.requests_waiting.set(stats.waiting)
         self.kv_cache_usage.set(stats.kv_usage_ratio)

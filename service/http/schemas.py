@@ -121,6 +121,7 @@ class TGIParameters(StrictRequest):
     stop_token_ids: list[int] | None = Field(None, max_length=64)
     no_repeat_ngram_size: int | None = Field(None, ge=0, le=MAX_NGRAM)
     bad_words_ids: list[list[int]] | None = Field(None, max_length=MAX_BAD_WORDS)
+    speculate: bool = Field(True, description="false: no n-gram drafts for this request (when the server speculates)")
 
     @model_validator(mode="after")
     def _consistent(self) -> "TGIParameters":
@@ -277,6 +278,7 @@ class CompletionRequest(StrictRequest):
     stop_token_ids: list[int] | None = Field(None, max_length=64)
     no_repeat_ngram_size: int = Field(0, ge=0, le=MAX_NGRAM)
     bad_words_ids: list[list[int]] | None = Field(None, max_length=MAX_BAD_WORDS)
+    speculate: bool = Field(True, description="false: no n-gram drafts for this request (when the server speculates)")
 
     @model_validator(mode="after")
     def _consistent(self) -> "CompletionRequest":
@@ -399,6 +401,7 @@ class Info(BaseModel):
     max_body_bytes: int
     kv_cache: dict = Field(description="slots used and total right now, and whether prompts reuse cached prefixes")
     max_prefill_tokens_per_step: int = Field(description="prompt tokens one engine step prefills; longer prompts go in chunks")
+    speculative_decoding: dict = Field(description="n-gram drafts: method (null: off), n-gram sizes, tokens drafted per step")
     version: str
 
     model_config = ConfigDict(protected_namespaces=())

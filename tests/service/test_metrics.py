@@ -19,6 +19,10 @@ FAMILIES = {
     "gpt2_prompt_tokens": "counter",
     "gpt2_prompt_tokens_computed": "counter",
     "gpt2_prompt_tokens_cached": "counter",
+    "gpt2_decode_sequence_steps": "counter",
+    "gpt2_decode_tokens": "counter",
+    "gpt2_spec_draft_tokens": "counter",
+    "gpt2_spec_accepted_tokens": "counter",
     "gpt2_generated_tokens": "counter",
     "gpt2_requests_running": "gauge",
     "gpt2_requests_waiting": "gauge",
@@ -135,6 +139,28 @@ def test_prompt_tokens_split_into_computed_and_cached(fresh, tokenizer):
     assert delta("gpt2_prompt_tokens_cached_total") == length - 1
     assert delta("gpt2_prompt_tokens_computed_total") == length + 1
     assert delta("gpt2_prompt_tokens_total") == 2 * length
+
+
+def test_speculation_counts_drafts_and_tokens_per_forward(fresh, tokenizer):
+    # The tiny random model's greedy output soon cycles: n-gram drafts of it stand.
+    body = {"inputs": "one two three one two three one two three", "parameters": {"max_new_tokens": 40}}
+    names = ("gpt2_spec_draft_tokens_total", "gpt2_spec_accepted_tokens_total", "gpt2_decode_sequence_steps_total",
+             "gpt2_decode_tokens_total")
+
+    def counts() -> list[float]:
+        samples = scrape(fresh)
+        return [value(samples, name) for name in names]
+
+    before = counts()
+    assert fresh.post("/generate", json=body).status_code == 200
+    drafted, accepted, steps, tokens = (a - b for a, b in zip(counts(), before))
+    assert 0 < accepted <= drafted
+    assert tokens == 39 and steps == tokens - accepted  # the first token came from the prefill
+    before = counts()
+    off = {**body, "parameters": {**body["parameters"], "speculate": False}}
+    assert fresh.post("/generate", json=off).status_code == 200
+    drafted, accepted, steps, tokens = (a - b for a, b in zip(counts(), before))
+    assert (drafted, accepted, steps, tokens) == (0, 0, 39, 39)
 
 
 def test_analysis_duration_observed_through_the_app_metrics(fresh):

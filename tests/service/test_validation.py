@@ -133,6 +133,7 @@ def test_info_reports_model_and_limits(client, tiny_model_dir):
     assert info["kv_cache"]["slots_total"] == 4
     assert info["kv_cache"]["prefix_caching"] is True
     assert info["max_prefill_tokens_per_step"] == 256  # the CPU's default
+    assert info["speculative_decoding"] == {"method": "ngram", "ngram_min": 1, "ngram_max": 3, "tokens": 4}
 
 
 def test_body_over_limit_gets_413_before_parsing(tiny_model_dir):
@@ -195,3 +196,13 @@ def test_prefix_caching_and_the_prefill_budget_are_flags():
     settings = parse_settings(["--no-prefix-caching", "--max-prefill-tokens", "64"])
     assert settings.prefix_caching is False and settings.max_prefill_tokens == 64
     assert parse_settings([]).prefix_caching is True
+
+
+def test_speculation_settings_are_flags_and_checked():
+    from service.__main__ import parse_settings
+
+    settings = parse_settings(["--speculative-ngram-min", "2", "--speculative-ngram-max", "4", "--speculative-tokens", "6"])
+    assert settings.speculation.min_n == 2 and settings.speculation.max_n == 4 and settings.speculation.tokens == 6
+    assert parse_settings(["--no-speculative-ngram"]).speculation is None
+    with pytest.raises(SystemExit):
+        parse_settings(["--speculative-ngram-min", "5", "--speculative-ngram-max", "2"])

@@ -1,0 +1,59 @@
+"""Draft tokens from the sequence itself: prompt lookup, as vLLM's `ngram`, TGI's `--speculate`,
+llama.cpp's `ngram` drafts and transformers' `prompt_lookup_num_tokens` do.
+
+For the last n tokens of a sequence (n from `max_n` down to `min_n`, longest first) find their
+latest earlier occurrence in the prompt and output, and propose the (up to) k tokens that
+followed it. An index per sequence maps each n-gram to where its latest occurrence ended, and
+grows by `max_n - min_n + 1` entries per token, so drafting costs a few dictionary look-ups per
+sequence per step whatever the length (bench/bench_speculative.py measures it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class NgramSettings:
+    min_n: int = 1
+    max_n: int = 3
+    tokens: int = 4  # k: drafted tokens per sequence per step
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_n <= self.max_n:
+            raise ValueError(f"n-gram sizes need 1 <= min <= max, got {self.min_n}..{self.max_n}")
+        if self.tokens < 1:
+            raise ValueError(f"speculative tokens must be at least 1, got {self.tokens}")
+
+
+@dataclass
+class NgramIndex:
+    """One sequence's n-gram → end of its latest occurrence that some token follows."""
+
+    settings: NgramSettings
+    latest: dict[tuple[int, ...], int] = field(default_factory=dict)
+    indexed: int = 0  # occurrences ending at or before this position are in `latest`
+
+    def draft(self, tokens: list[int], limit: int) -> list[int]:
+        """Up to min(k, limit) tokens to propose after `tokens` (the sequence so far)."""
+        self._catch_up(tokens)
+        count = min(self.settings.tokens, limit)
+        if count < 1:
+            return []
+        for n in range(min(self.settings.max_n, len(tokens) - 1), self.settings.min_n - 1, -1):
+            end = self.latest.get(tuple(tokens[-n:]))
+            if end is not None:
+                return tokens[end : end + count]
+        return []
+
+    def _catch_up(self, tokens: list[int]) -> None:
+        # An occurrence ending at `end` is usable once a token follows it (end < len(tokens)), so
+        # the n-grams ending at the last token join only after it has a successor.
+        low, high = self.settings.min_n, self.settings.max_n
+        for end in range(max(self.indexed + 1, low), len(tokens)):
+            for n in range(low, min(high, end) + 1):
+                self.latest[tuple(tokens[end - n : end])] = end
+        self.indexed = max(self.indexed, len(tokens) - 1)
+
+    def copy(self) -> NgramIndex:
+        return NgramIndex(self.settings, dict(self.latest), self.indexed)

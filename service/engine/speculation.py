@@ -1,0 +1,55 @@
+"""Speculative decoding from n-gram drafts: which sequences draft, and how much of a draft stands.
+
+A sequence with a draft d1..dk feeds [last token, d1..dk] in one forward and gets logits at each
+of the 1 + k positions. The sampler then draws at every position exactly as plain decoding would
+have drawn there (the same logits processors and, for seeded sampling, the same counter-based
+uniform number: the one of the sequence's length at that position), and the draft stands up to
+the first position whose drawn token differs from it; that drawn token is kept too. So the
+tokens are the ones decoding without speculation gives, greedy or seeded, not merely tokens
+from the same distribution (the usual rejection-sampling guarantee).
+
+Controls that read the tokens before a position (repetition, presence and frequency penalties,
+no_repeat_ngram_size, bad_words_ids) are kept per slot and updated once per step; a sequence
+that uses them does not speculate. Beam search does not speculate either.
+"""
+
+from __future__ import annotations
+
+from service.engine.ngram_drafter import NgramIndex, NgramSettings
+from service.engine.scheduler import RequestState
+from service.engine.types import SamplingParams
+
+
+def speculates(params: SamplingParams) -> bool:
+    return (
+        params.speculate
+        and params.num_beams == 1
+        and params.repetition_penalty == 1.0
+        and params.presence_penalty == 0.0
+        and params.frequency_penalty == 0.0
+        and params.no_repeat_ngram_size == 0
+        and not params.bad_words_ids
+    )
+
+
+def new_drafter(settings: NgramSettings | None, params: SamplingParams) -> NgramIndex | None:
+    return NgramIndex(settings) if settings is not None and speculates(params) else None
+
+
+def propose(states: list[RequestState]) -> None:
+    """Give each decoding sequence this step's draft (empty where it has none)."""
+    for state in states:
+        for seq in state.live:
+            if seq.drafter is None:
+                continue
+            # The step makes at most 1 + k tokens; draft none past max_new_tokens.
+            room = state.params.max_new_tokens - len(seq.generated) - 1
+            seq.draft = seq.drafter.draft(seq.token_ids, room)
+
+
+def kept_length(drawn: list[int], draft: list[int]) -> int:
+    """How many of the 1 + k drawn tokens stand: through the first that differs from the draft."""
+    for position, token in enumerate(draft):
+        if drawn[position] != token:
+            return position + 1
+    return len(draft) + 1
