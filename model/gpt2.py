@@ -38,6 +38,18 @@ class MLP(nn.Module):
 
 
 @dataclass
+class Packing:
+    """B rows of different lengths packed as one run of N tokens: every layer but attention works
+    on the N real tokens only; attention lays the queries out as [B, T] (T the longest row)."""
+
+    index: torch.Tensor  # [N] each token's place in the padded [B * T] layout
+    batch: int  # B
+    width: int  # T
+    slots: torch.Tensor  # [N] each token's KV-cache slot
+    positions: torch.Tensor  # [N] each token's position
+
+
+@dataclass
 class AttentionInputs:
     """What every layer's attention needs, built once per forward pass."""
 
@@ -47,6 +59,7 @@ class AttentionInputs:
     cache: KVCache | None
     rows: SlotBatch | None
     want_probs: bool
+    packing: Packing | None = None
 
 
 class CausalSelfAttention(nn.Module):
@@ -61,6 +74,8 @@ class CausalSelfAttention(nn.Module):
     def forward(
         self, x: torch.Tensor, ctx: AttentionInputs
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if ctx.packing is not None:
+            return self._forward_packed(x, ctx), None
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(C, dim=2)  # 3 × [B, T, C]
         q = q.view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # [B, H, T, d_h]
@@ -86,6 +101,22 @@ class CausalSelfAttention(nn.Module):
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.mask)  # [B, H, T, d_h]
         y = y.transpose(1, 2).reshape(B, T, C)  # [B, T, C]
         return self.c_proj(y), probs
+
+    def _forward_packed(self, x: torch.Tensor, ctx: AttentionInputs) -> torch.Tensor:
+        """x [1, N, C] packed rows (always with a cache): projections over the N real tokens,
+        attention over their [B, T] layout."""
+        packing, (_, N, C) = ctx.packing, x.shape
+        H, d = self.n_head, self.head_dim
+        q, k, v = self.c_attn(x)[0].split(C, dim=1)  # 3 × [N, C]
+        ctx.cache.write_tokens(self.layer_index, packing.slots, packing.positions, k.view(N, H, d), v.view(N, H, d))
+        keys, values = ctx.cache.read(self.layer_index, ctx.rows, ctx.kv_length)  # [B, H, L, d_h]
+        B, T = packing.batch, packing.width
+        laid_out = q.new_zeros(B * T, C)
+        laid_out[packing.index] = q
+        queries = laid_out.view(B, T, H, d).transpose(1, 2)  # [B, H, T, d_h]
+        y = F.scaled_dot_product_attention(queries, keys, values, attn_mask=ctx.mask)  # [B, H, T, d_h]
+        y = y.transpose(1, 2).reshape(B * T, C)[packing.index]  # [N, C]
+        return self.c_proj(y[None])  # [1, N, C]
 
 
 class Block(nn.Module):
@@ -228,6 +259,38 @@ class GPT2(nn.Module):
         if logits_index is not None:
             x = x[torch.arange(B, device=x.device), logits_index]  # [B, C]
         return head_output(self.ln_f(x), self.lm_head, apply_head, attentions, hidden)
+
+    def forward_packed(
+        self,
+        input_ids: torch.Tensor,
+        packing: Packing,
+        cache: KVCache,
+        rows: SlotBatch,
+        kv_length: int,
+        output_hidden_states: bool = False,
+    ) -> ForwardOutput:
+        """Rows of new tokens of different lengths, packed (input_ids [N]; see Packing), each
+        continuing its slot in the cache: no compute on padding outside attention.
+
+        Returns what the LM head reads, head_input [N, C] (and hidden_states [1, N, C] each).
+        """
+        B, T = packing.batch, packing.width
+        # Padded queries sit at position 0: they see one key, so no row is fully masked.
+        padded = torch.zeros(B * T, dtype=torch.long, device=input_ids.device)
+        padded[packing.index] = packing.positions
+        padded = padded.view(B, T)  # [B, T]
+        ctx = AttentionInputs(
+            positions=padded,
+            mask=self._attention_mask(padded, kv_length, cached=True),
+            kv_length=kv_length,
+            cache=cache,
+            rows=rows,
+            want_probs=False,
+            packing=packing,
+        )
+        x = (self.wte(input_ids) + self.wpe(packing.positions))[None]  # [1, N, C]
+        x, hidden, _ = run_blocks(self.h, x, ctx, output_hidden_states)
+        return head_output(self.ln_f(x[0]), self.lm_head, False, None, hidden)
 
     @staticmethod
     def _attention_mask(

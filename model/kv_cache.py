@@ -106,6 +106,13 @@ class KVCache:
         self.keys[layer][slot_index, :, positions] = k.transpose(1, 2)  # [B, T, H, d_h]
         self.values[layer][slot_index, :, positions] = v.transpose(1, 2)
 
+    def write_tokens(
+        self, layer: int, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> None:
+        """Store k, v [N, H, d_h] of N tokens at their slots [N] and positions [N]."""
+        self.keys[layer][slots, :, positions] = k
+        self.values[layer][slots, :, positions] = v
+
     def read(self, layer: int, rows: SlotBatch, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of the first `length` positions of each row: [B, H, length, d_h]."""
         if rows.span is not None:

@@ -37,7 +37,7 @@ class Settings(BaseSettings):
     max_waiting: int = Field(64, ge=1, le=100_000, description="requests that may wait beyond max_batch_size running; more get 429")
     max_prefill_tokens: int | None = Field(
         None, ge=1, le=1_000_000,
-        description="prompt tokens prefilled per engine step (rows x longest chunk); longer prompts are prefilled in chunks between decode steps; default 256 on CPU, 2048 on CUDA",
+        description="prompt tokens prefilled per engine step; longer prompts are prefilled in chunks between decode steps; default 256 on CPU, 2048 on CUDA",
     )
     speculative_ngram: bool = Field(
         True, description="speculative decoding: draft tokens from the sequence's own n-grams, verified in one forward"

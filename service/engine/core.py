@@ -58,7 +58,7 @@ class EngineConfig:
     max_slots: int = 8  # sequences decoded together; KV-cache rows
     max_len: int | None = None  # tokens per sequence (prompt + new); default: the model's context
     max_waiting: int = 64  # requests queued beyond the running ones; more raise QueueFull
-    # Prompt tokens one step prefills (rows × the longest chunk); a longer prompt is prefilled
+    # Prompt tokens one step prefills; a longer prompt is prefilled
     # in chunks of at most this many, between the decode steps of the running sequences.
     max_prefill_tokens: int = 512
     # Keep what finished sequences cached; a prompt reuses its longest cached prefix.
@@ -285,7 +285,6 @@ class EngineCore:
             [chunk.state.sequences[0].slot for chunk in chunks],
             [chunk.start for chunk in chunks],
             [chunk.state.request.prompt_ids[chunk.start : chunk.end] for chunk in chunks],
-            self.eos_token_id,
             hidden_states=any(chunk.state.params.prompt_logprobs for chunk in chunks),
         )
         for row, chunk in enumerate(chunks):
@@ -313,7 +312,7 @@ class EngineCore:
         if any(s.draft for s in seqs):  # verification: 1 + k positions per row, eagerly
             starts = [len(s.token_ids) - 1 for s in seqs]
             pieces = [[s.token_ids[-1]] + s.draft for s in seqs]
-            return forward_from(self.model, self.cache, slots, starts, pieces, self.eos_token_id, every_position=True).logits
+            return forward_from(self.model, self.cache, slots, starts, pieces, every_position=True).logits
         if self.static_decode is not None:
             return self.static_decode.run(slots, [s.token_ids[-1] for s in seqs], [len(s.token_ids) - 1 for s in seqs])
         input_ids = torch.tensor([[s.token_ids[-1]] for s in seqs], device=self.device)  # [B, 1]

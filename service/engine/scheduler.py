@@ -131,21 +131,16 @@ class StepPlan:
 
 
 class PrefillBudget:
-    """Prompt tokens one step may prefill: rows × the longest chunk (rows are padded to it)."""
+    """Prompt tokens one step may prefill. Rows are packed (service/engine/forward.py), so each
+    costs its own tokens: a short prompt rides beside a long one's chunk."""
 
     def __init__(self, tokens: int) -> None:
-        self.tokens = tokens
-        self.rows = 0
-        self.longest = 0
+        self.left = tokens
 
     def take(self, remaining: int) -> int:
         """The chunk a prompt with `remaining` tokens to go gets this step (0: none fits)."""
-        cap = self.tokens // (self.rows + 1)
-        if cap < 1 or self.longest > cap:
-            return 0
-        chunk = min(remaining, cap)
-        self.rows += 1
-        self.longest = max(self.longest, chunk)
+        chunk = min(remaining, self.left)
+        self.left -= chunk
         return chunk
 
 

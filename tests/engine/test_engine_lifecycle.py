@@ -10,7 +10,7 @@ from weights.tokenizer import GPT2Tokenizer
 
 
 def test_several_prompts_of_one_submission_are_prefilled_together(make_engine, hf_model):
-    engine = make_engine(max_slots=4, max_prefill_tokens=3 * 11)  # three rows padded to 11
+    engine = make_engine(max_slots=4, max_prefill_tokens=20)
     prompts = [random_prompt(n, seed=n) for n in (3, 11, 6)]
     engine.submit([make_request(p, max_new_tokens=5, request_id=f"part-{i}") for i, p in enumerate(prompts)])
     first = engine.step()
@@ -21,12 +21,18 @@ def test_several_prompts_of_one_submission_are_prefilled_together(make_engine, h
         assert results[f"part-{i}"].sequences[0].token_ids == hf_generate(hf_model, prompt, 5)
 
 
-def test_prefill_budget_splits_separate_submissions(make_engine):
+def test_prefill_budget_is_prompt_tokens_per_step(make_engine, hf_model):
     engine = make_engine(max_slots=4, max_prefill_tokens=20)
-    engine.submit([make_request(random_prompt(15, seed=1), max_new_tokens=3)])
-    engine.submit([make_request(random_prompt(15, seed=2), max_new_tokens=3)])
-    assert engine.step().stats.prefill_tokens == 15  # 2 rows x 15 would exceed 20
-    assert engine.step().stats.prefill_tokens == 15
+    prompts = [random_prompt(15, seed=1), random_prompt(15, seed=2)]
+    engine.submit([make_request(prompts[0], request_id="a", max_new_tokens=3)])
+    engine.submit([make_request(prompts[1], request_id="b", max_new_tokens=3)])
+    first = engine.step()
+    assert first.stats.prefill_tokens == 20  # all of a, and b's first 5 beside it
+    assert [e.request_id for e in first.events] == ["a"]
+    assert engine.step().stats.prefill_tokens == 10
+    results = {f.request_id: f for f in run_until_idle(engine)}
+    for request_id, prompt in zip("ab", prompts):
+        assert results[request_id].sequences[0].token_ids == hf_generate(hf_model, prompt, 3)
 
 
 def test_a_submission_larger_than_the_cache_runs_in_parts(make_engine, hf_model):
