@@ -17,7 +17,7 @@ endif
 # machine, `make test-cuda TORCH_CPU=torch==2.13.0+cu130` (or any CUDA build) installs that instead.
 TORCH_CPU ?= torch==2.13.0
 
-.PHONY: install system-deps weights serve test test-cuda reliability bench-serve ln-experiment clean
+.PHONY: install system-deps weights serve test test-floors test-cuda reliability bench-serve ln-experiment clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -58,6 +58,25 @@ system-deps:
 test: weights system-deps
 	$(PY) -m pytest $(PYTEST_ARGS)
 
+# The dependency floors stay true: pyproject.toml's floors (tests/floors.py pins each `>=` as `==`,
+# transitive dependencies resolve to their newest, as uv's lowest-direct) in a second venv, and a
+# quick subset of the tests run there. CI runs it after `make test`.
+FLOORS_VENV := .venv-floors
+FLOORS_PY   := $(FLOORS_VENV)/bin/python
+FLOORS_TEST_DEPS := pytest httpx transformers openai
+FLOORS_TESTS := tests/service tests/engine/test_engine_greedy.py -m "not slow"
+
+$(FLOORS_VENV)/.installed: pyproject.toml tests/floors.py | install
+	rm -rf $(FLOORS_VENV)
+	$(PYTHON) -m venv $(FLOORS_VENV)
+	$(PY) -m tests.floors $(FLOORS_TEST_DEPS) > $(FLOORS_VENV)/floors.txt
+	$(FLOORS_PY) -m pip install --quiet $(TORCH_CPU)
+	$(FLOORS_PY) -m pip install --quiet -e . -r $(FLOORS_VENV)/floors.txt
+	touch $@
+
+test-floors: weights $(FLOORS_VENV)/.installed
+	$(FLOORS_PY) -m pytest -p no:cacheprovider $(FLOORS_TESTS) $(PYTEST_ARGS)
+
 # The CUDA lane, on a machine with a GPU and a venv holding a CUDA build of torch (see TORCH_CPU):
 # model, engine and analysis suites on the GPU, against transformers on the same GPU.
 test-cuda: weights
@@ -73,4 +92,4 @@ reliability: weights
 	$(PY) -m tests.reliability.report
 
 clean:
-	rm -rf $(VENV) weights/gpt2 weights/gpt2.partial weights/shakespeare weights/shakespeare.partial weights/.cache
+	rm -rf $(VENV) $(FLOORS_VENV) weights/gpt2 weights/gpt2.partial weights/shakespeare weights/shakespeare.partial weights/.cache

@@ -67,6 +67,7 @@ import math
 import shlex
 import subprocess
 import sys
+from contextlib import contextmanager
 import threading
 import time
 from collections import deque
@@ -77,7 +78,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.bench_serve import Server, drive_clients
-from bench.common import describe_machine
+from bench.common import add_server_arguments, describe_machine
 from bench.prefix_workloads import Prompts, Row, Sizes, mc_compare, rows_for, run_workload, workload_inputs
 from service.settings import CPU_PREFILL_TOKENS
 from tests.processes import clean_env, free_port
@@ -207,11 +208,7 @@ def finite(value):
 # --- main ---------------------------------------------------------------------------------------
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model-dir", type=Path, default=Path("weights/gpt2"))
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads of each server's engine")
-    parser.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
+    add_server_arguments(parser, Path("weights/gpt2"), WORKLOADS)
     parser.add_argument("--chunk", type=int, default=CPU_PREFILL_TOKENS,
                         help="--max-prefill-tokens of the chunked server; default %(default)s, the server's own on CPU")
     parser.add_argument("--prefill-tokens", type=int, default=None,
@@ -279,7 +276,7 @@ def run_server(args, name: str, config: ServerConfig, workloads: list[str], slot
     server = PrefixServer(args, slots, sizes.max_new_tokens, config)
     print(f"[{name}] {shlex.join(server.command)}", flush=True)
     results, metrics = {}, {}
-    try:
+    with serving(server, name):
         server.wait_ready()
         model = server.model_name()
         warm_up(server, prompts, sizes, model)
@@ -297,13 +294,20 @@ def run_server(args, name: str, config: ServerConfig, workloads: list[str], slot
             metrics[workload] = {k: v - before.get(k, 0.0) for k, v in after.items()}
             counted = ", ".join(f"{k.removeprefix('gpt2_')} {number(v)}" for k, v in metrics[workload].items())
             print(f"[{name}] {workload}: {seconds:.1f} s; {counted or 'no prompt-token metrics'}", flush=True)
+    return results, metrics, server.command
+
+
+@contextmanager
+def serving(server: Server, name: str):
+    """Stop the server however the block ends; on an error, show the end of its log first."""
+    try:
+        yield server
     except BaseException:
         if server.log_tail:
             print(f"[{name}] server log, last lines:\n{''.join(server.log_tail)}", file=sys.stderr)
         raise
     finally:
         server.stop()
-    return results, metrics, server.command
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -3,6 +3,7 @@ transformers' generate(), on the same weights in the same run.
 
     .venv/bin/python -m bench.bench_serve                        # CPU: 1 and 32 clients, fp32
     .venv/bin/python -m bench.bench_serve --device cuda --dtype float16 --clients 1 16 64 256
+    .venv/bin/python -m bench.bench_serve --quantize none int8 --clients 1 16 --no-reference   # side by side
 
 For each client count C it starts nothing new: one real server (`python -m service`, its engine
 core in its own process) serves every row. C concurrent clients each stream one
@@ -14,6 +15,9 @@ until --requests-per-client are done. Then, in this process, with the server idl
 Printed: aggregate tok/s, TTFT and inter-token latency p50/p99 (as the clients saw them), and
 served / engine and served / transformers ratios. Rerun on an idle machine: ratios are what to
 compare, and only within one run.
+With several --quantize modes, one server per mode runs side by side (each client count is served
+by each in turn), the engine reference runs on the same weights, and the last table gives each
+mode's served tok/s over the first's.
 """
 
 from __future__ import annotations
@@ -21,7 +25,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import statistics
 import subprocess
 import sys
 import time
@@ -33,9 +36,11 @@ import torch
 
 from bench.common import describe_machine, load_both
 from model.config import DTYPES
+from model.linear import QUANTIZE_MODES
 from service.engine.types import GenerationRequest, SamplingParams
 from service.inprocess import Engine, EngineConfig
 from tests.processes import STARTUP_TIMEOUT_S, clean_env, cpu_seconds, engine_core_pid, free_port
+from weights.checkpoint import load_model
 from weights.tokenizer import GPT2Tokenizer
 
 WORDS = "the model reads a prompt and writes tokens one at a time while other clients wait".split()
@@ -74,7 +79,7 @@ def percentile(values: list[float], q: float) -> float:
 
 # --- the server ---------------------------------------------------------------------------------
 class Server:
-    def __init__(self, args: argparse.Namespace, slots: int) -> None:
+    def __init__(self, args: argparse.Namespace, slots: int, quantize: str = "none") -> None:
         self.port = free_port()
         command = [
             sys.executable, "-m", "service", "--model-dir", str(args.model_dir), "--port", str(self.port),
@@ -83,6 +88,8 @@ class Server:
         ]
         if args.threads:
             command += ["--threads", str(args.threads)]
+        if quantize != "none":
+            command += ["--quantize", quantize]
         self.url = f"http://127.0.0.1:{self.port}"
         self.process = subprocess.Popen(command, env=clean_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
@@ -109,10 +116,17 @@ class Server:
 
 async def stream_one(http: httpx.AsyncClient, url: str, text: str, new_tokens: int, stats: ClientStats) -> None:
     body = {"inputs": text, "parameters": {"max_new_tokens": new_tokens, "ignore_eos": True}}
+    await stream_ids(http, url, body, stats)
+
+
+async def stream_ids(http: httpx.AsyncClient, url: str, body: dict, stats: ClientStats) -> list[int]:
+    """One /generate_stream request: its token ids, with TTFT and gaps recorded in `stats`."""
+    ids: list[int] = []
     start = time.perf_counter()
     last = None
     async with http.stream("POST", f"{url}/generate_stream", json=body) as response:
-        response.raise_for_status()
+        if response.status_code != 200:
+            raise RuntimeError(f"/generate_stream: {response.status_code} {(await response.aread()).decode()[:1000]}")
         async for line in response.aiter_lines():
             if not line.startswith("data:"):
                 continue
@@ -126,6 +140,8 @@ async def stream_one(http: httpx.AsyncClient, url: str, text: str, new_tokens: i
                 stats.itl.append(now - last)
             last = now
             stats.tokens += 1
+            ids.append(event["token"]["id"])
+    return ids
 
 
 def serve_clients(server: Server, texts: list[str], clients: int, per_client: int, new_tokens: int) -> ClientStats:
@@ -200,6 +216,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--prompt-words", type=int, default=8, help="shortest prompt, in words")
     parser.add_argument("--reference-batch", type=int, default=None, help="generate()'s static batch; default 8 on CPU, C on CUDA")
     parser.add_argument("--no-reference", action="store_true", help="skip transformers")
+    parser.add_argument("--quantize", nargs="+", choices=QUANTIZE_MODES, default=["none"],
+                        help="the servers' --quantize; several: one server each, side by side")
     args = parser.parse_args()
     args.clients = args.clients or ([1, 32] if args.device == "cpu" else [1, 16, 64, 256])
     return args
@@ -214,14 +232,18 @@ def main() -> None:
     texts = prompt_texts(max(slots, 17), args.prompt_words)
     tokenizer = GPT2Tokenizer.from_dir(args.model_dir)
     prompts = [tokenizer.encode(t) for t in texts]
-    server = Server(args, slots)
+    servers = {mode: Server(args, slots, mode) for mode in dict.fromkeys(args.quantize)}
     try:
-        server.wait_ready()
-        # One short request first: the server's own first-request costs are not throughput.
-        asyncio.run(drive_clients(server.url, texts, 1, 1, 4))
-        served = {c: serve_clients(server, texts, c, args.requests_per_client, args.new_tokens) for c in args.clients}
+        for server in servers.values():
+            server.wait_ready()
+            # One short request first: the server's own first-request costs are not throughput.
+            asyncio.run(drive_clients(server.url, texts, 1, 1, 4))
+        # Each client count on every server in turn: a change in the machine's load hits all alike.
+        served = {(mode, c): serve_clients(server, texts, c, args.requests_per_client, args.new_tokens)
+                  for c in args.clients for mode, server in servers.items()}
     finally:
-        server.stop()
+        for server in servers.values():
+            server.stop()
 
     ours, reference = load_both(args.model_dir, dtype)
     ours, reference = ours.to(args.device), reference.to(args.device)
@@ -230,6 +252,28 @@ def main() -> None:
     print(describe_machine())
     print(f"{args.model_dir}, {args.device} {args.dtype}, {args.new_tokens} new tokens per request, "
           f"{args.requests_per_client} request(s) per client\n")
+    hf_rates: dict[int, float | None] = {}
+    for mode in servers:
+        model = ours
+        if mode != "none":
+            print(f"--quantize {mode}")
+            model = load_model(args.model_dir, device=args.device, dtype=dtype)
+            model.quantize(mode)
+        report(args, {c: served[mode, c] for c in args.clients}, model, reference, tokenizer, prompts, slots, max_len, hf_rates)
+    if len(servers) > 1:
+        first, *others = servers
+        print(f"\nserved tok/s over --quantize {first}'s")
+        print(f"{'clients':>7s} " + " ".join(f"{mode:>10s}" for mode in others))
+        for c in args.clients:
+            rate = {mode: served[mode, c].tokens / served[mode, c].seconds for mode in servers}
+            print(f"{c:7d} " + " ".join(f"{rate[mode] / rate[first]:9.2f}x" for mode in others))
+    print(f"\n{describe_machine()}")
+
+
+def report(args, served: dict[int, ClientStats], ours, reference, tokenizer, prompts, slots: int, max_len: int,
+           hf_rates: dict[int, float | None]) -> None:
+    """One table: each client count as served, beside the engine called directly on the same
+    weights and transformers (measured once per client count, in hf_rates)."""
     header = f"{'clients':>7s} {'served tok/s':>13s} {'engine tok/s':>13s} {'served/engine':>14s} {'HF tok/s':>10s} {'served/HF':>10s} {'TTFT p50/p99 ms':>17s} {'ITL p50/p99 ms':>16s}"
     print(header)
     cpu_rows = []
@@ -242,11 +286,14 @@ def main() -> None:
             direct, direct_cpu = engine_direct(engine, prompts, clients, args.requests_per_client, args.new_tokens)
             cpu_rows.append(f"{clients:7d} {stats.cpu_ms_per_token('http'):8.2f} {stats.cpu_ms_per_token('core'):8.2f} "
                             f"{stats.cpu_ms_per_token('clients'):8.2f} {direct_cpu:14.2f}")
-            hf = None
-            if not args.no_reference:
-                batch = args.reference_batch or (clients if args.device == "cuda" else min(clients, 8))
-                total = clients * args.requests_per_client
-                hf = transformers_static(reference, prompts, batch, total, args.new_tokens, tokenizer.eos_token_id, args.device)
+            if clients not in hf_rates:
+                hf_rates[clients] = None
+                if not args.no_reference:
+                    batch = args.reference_batch or (clients if args.device == "cuda" else min(clients, 8))
+                    total = clients * args.requests_per_client
+                    hf_rates[clients] = transformers_static(reference, prompts, batch, total, args.new_tokens,
+                                                            tokenizer.eos_token_id, args.device)
+            hf = hf_rates[clients]
             ttft = f"{percentile(stats.ttft, .5) * 1e3:.0f}/{percentile(stats.ttft, .99) * 1e3:.0f}"
             itl = f"{percentile(stats.itl, .5) * 1e3:.1f}/{percentile(stats.itl, .99) * 1e3:.1f}"
             hf_text = f"{hf:10.1f} {served_rate / hf:9.2f}x" if hf else f"{'':10s} {'':10s}"
@@ -255,7 +302,6 @@ def main() -> None:
     print("and the engine called directly (the same work in one process, nothing else running)")
     print(f"{'clients':>7s} {'http':>8s} {'core':>8s} {'clients':>8s} {'engine direct':>14s}")
     print("\n".join(cpu_rows))
-    print(f"\n{describe_machine()}")
 
 
 if __name__ == "__main__":

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+
 import os
 import platform
 import statistics
@@ -94,3 +96,12 @@ def describe_machine() -> str:
 def weight_bytes(model: GPT2) -> int:
     """Bytes one decode step must read: every parameter once (wpe rows aside)."""
     return sum(p.numel() * p.element_size() for name, p in model.named_parameters() if name != "wpe.weight")
+
+
+def add_server_arguments(parser: argparse.ArgumentParser, model_dir: Path, workloads: tuple[str, ...]) -> None:
+    """The options every served benchmark shares: the model, where it runs, which workloads."""
+    parser.add_argument("--model-dir", type=Path, default=model_dir)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads of each server's engine")
+    parser.add_argument("--workloads", nargs="+", choices=workloads, default=list(workloads))

@@ -85,11 +85,21 @@ class GPT2Config:
         except KeyError:
             raise ValueError(f"unknown preset {name!r}; known: {', '.join(PRESETS)}") from None
 
-    def to_hf_dict(self) -> dict:
-        """The keys transformers' GPT2Config understands, so files we write load there too."""
-        out = asdict(self)
-        out.update(model_type="gpt2", architectures=["GPT2LMHeadModel"], tie_word_embeddings=True)
-        return out
+    def to_hf_dict(self, dtype: str | None = None) -> dict:
+        """config.json as transformers writes it for GPT2LMHeadModel: every key of its
+        `GPT2Config(...).to_dict()` (tests/weights/test_config_file.py compares them), without
+        `transformers_version` (transformers did not write the file), plus `n_ctx`, which the
+        hub's GPT-2 configs carry and llama.cpp's converter reads. `dtype`: the tensors' dtype."""
+        return {
+            **asdict(self),
+            **GPT2_OPTIONS,
+            **UNSUPPORTED_OPTIONS,
+            **HF_CONFIG_DEFAULTS,
+            "n_ctx": self.n_positions,
+            "dtype": dtype,
+            "model_type": "gpt2",
+            "architectures": ["GPT2LMHeadModel"],
+        }
 
     def with_(self, **changes) -> "GPT2Config":
         return replace(self, **changes)
@@ -105,6 +115,35 @@ UNSUPPORTED_OPTIONS = {
     "scale_attn_weights": True,
     "scale_attn_by_inverse_layer_idx": False,
     "add_cross_attention": False,
+}
+
+# Options for training and for heads this project does not build, at their defaults: GPT-1's
+# and GPT-2's configs both carry these, GPT-2's the two after them too.
+TRAINING_AND_HEAD_OPTIONS = {
+    "resid_pdrop": 0.1,
+    "embd_pdrop": 0.1,
+    "attn_pdrop": 0.1,
+    "summary_type": "cls_index",
+    "summary_use_proj": True,
+    "summary_activation": None,
+    "summary_proj_to_labels": True,
+    "summary_first_dropout": 0.1,
+}
+GPT2_OPTIONS = {**TRAINING_AND_HEAD_OPTIONS, "use_cache": True, "reorder_and_upcast_attn": False}
+
+# The keys transformers' PretrainedConfig.to_dict() adds to every model's config, at their defaults.
+HF_CONFIG_DEFAULTS = {
+    "_name_or_path": "",
+    "output_hidden_states": False,
+    "output_attentions": False,
+    "return_dict": True,
+    "chunk_size_feed_forward": 0,
+    "is_encoder_decoder": False,
+    "id2label": {"0": "LABEL_0", "1": "LABEL_1"},
+    "label2id": {"LABEL_0": 0, "LABEL_1": 1},
+    "problem_type": None,
+    "pad_token_id": None,
+    "tie_word_embeddings": True,
 }
 
 PRESETS: dict[str, GPT2Config] = {

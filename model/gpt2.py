@@ -17,7 +17,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from model.config import GPT2Config
 from model.kv_cache import KVCache, SlotBatch
-from model.linear import Conv1D, linear, pack
+from model.linear import QUANTIZE_MODES, Conv1D, Int8Weight, int8_problem, linear, pack
 
 
 # The attention kernels scaled_dot_product_attention may choose, best first: flash (no mask),
@@ -183,7 +183,8 @@ class GPT2(nn.Module):
         self.wpe = nn.Embedding(config.n_positions, config.n_embd)
         self.h = nn.ModuleList(Block(config, i) for i in range(config.n_layer))
         self.ln_f = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
-        self._lm_head_packed: torch.Tensor | None = None
+        self._lm_head_packed: torch.Tensor | Int8Weight | None = None
+        self.quantization = "none"  # a QUANTIZE_MODES name: what `quantize` made of the weights
 
     @property
     def device(self) -> torch.device:
@@ -204,6 +205,24 @@ class GPT2(nn.Module):
         for module in self.modules():
             if isinstance(module, Conv1D):
                 module.prepare(use_packed)
+
+    def quantize(self, mode: str) -> None:
+        """Serve every Conv1D and the tied LM head from int8 weights ("int8"; "none": leave the
+        model as it is). For inference only, after `prepare`, and final: the blocks' float
+        weights are released. The embedding lookup keeps reading wte in float; the head reads
+        an int8 copy of it."""
+        if mode not in QUANTIZE_MODES:
+            raise ValueError(f"unknown quantization {mode!r}; one of {', '.join(QUANTIZE_MODES)}")
+        if mode == "none":
+            return
+        problem = int8_problem(self.device, self.dtype)
+        if problem is not None:
+            raise ValueError(problem)
+        self._lm_head_packed = Int8Weight(self.wte.weight)
+        for module in self.modules():
+            if isinstance(module, Conv1D):
+                module.quantize()
+        self.quantization = mode
 
     @property
     def tied_embedding(self) -> torch.Tensor:

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from model.config import HF_CONFIG_DEFAULTS, TRAINING_AND_HEAD_OPTIONS
 from model.gpt2 import GPT2, MLP, AttentionInputs, CausalSelfAttention, ForwardOutput, head_output, run_blocks
 from model.linear import Conv1D, linear
 
@@ -74,9 +75,13 @@ class PostLNConfig:
         except KeyError:
             raise ValueError(f"unknown Post-LN preset {name!r}; known: {', '.join(PRESETS)}") from None
 
-    def to_hf_dict(self) -> dict:
-        """The keys transformers' OpenAIGPTConfig reads, so files written here load there too."""
-        return asdict(self) | {"model_type": MODEL_TYPE, "architectures": ["OpenAIGPTLMHeadModel"]}
+    def to_hf_dict(self, dtype: str | None = None) -> dict:
+        """config.json as transformers writes it for OpenAIGPTLMHeadModel: every key of its
+        `OpenAIGPTConfig(...).to_dict()` but `transformers_version`, as GPT2Config.to_hf_dict."""
+        return asdict(self) | TRAINING_AND_HEAD_OPTIONS | HF_CONFIG_DEFAULTS | {
+            "bos_token_id": None, "eos_token_id": None, "dtype": dtype,
+            "model_type": MODEL_TYPE, "architectures": ["OpenAIGPTLMHeadModel"],
+        }
 
 
 PRESETS: dict[str, PostLNConfig] = {

@@ -5,11 +5,11 @@ Every setting of service/settings.py is a flag (--max-batch-size 16) and a GPT2_
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 import torch
 from pydantic import ValidationError
+from pydantic_settings import CliApp, CliSettingsSource
 
 from service.http.request_guards import default_allowed_hosts
 from service.settings import Settings
@@ -17,19 +17,16 @@ from weights.checkpoint import CheckpointError
 
 
 def parse_settings(argv: list[str] | None = None) -> Settings:
-    parser = argparse.ArgumentParser(prog="python -m service", description="Serve a GPT-2 model over HTTP.")
-    # Flags override GPT2_* environment variables, which override the defaults.
-    for name, field in Settings.model_fields.items():
-        flag = "--" + name.replace("_", "-")
-        if field.annotation is bool:  # --cuda-graphs / --no-cuda-graphs
-            parser.add_argument(flag, dest=name, default=None, help=field.description, action=argparse.BooleanOptionalAction)
-        else:
-            parser.add_argument(flag, dest=name, default=None, help=field.description)
-    given = {k: v for k, v in vars(parser.parse_args(argv)).items() if v is not None}
+    """pydantic-settings' CLI source: a kebab-case flag per setting, booleans as --x / --no-x.
+    Flags override GPT2_* environment variables, which override the defaults."""
+    source = CliSettingsSource(
+        Settings, cli_prog_name="python -m service", cli_kebab_case=True, cli_implicit_flags=True,
+        cli_avoid_json=True, cli_hide_none_type=True,
+    )
     try:
-        return Settings(**given)
+        return CliApp.run(Settings, cli_args=sys.argv[1:] if argv is None else argv, cli_settings_source=source)
     except ValidationError as exc:
-        parser.error(str(exc))  # exits 2 with the offending setting named, no traceback
+        source.root_parser.error(str(exc))  # exits 2 with the offending setting named, no traceback
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-from pydantic import Field, SecretStr, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from model.config import DTYPES
@@ -17,6 +17,8 @@ CPU_PREFILL_TOKENS, CUDA_PREFILL_TOKENS = 256, 2048
 
 
 class Settings(BaseSettings):
+    """Serve a GPT-2 model over HTTP. Each setting is a flag and a GPT2_* variable; flags win."""
+
     model_config = SettingsConfigDict(env_prefix="GPT2_", extra="ignore")
 
     # --- model and process ----------------------------------------------------------------
@@ -26,6 +28,11 @@ class Settings(BaseSettings):
     port: int = Field(8000, ge=1, le=65535)
     device: Literal["cpu", "cuda"] = "cpu"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    quantize: Literal["none", "int8"] = Field(
+        "none",
+        description="weights the engine core generates with: none (--dtype's) or int8 (CPU, float32 activations:"
+        " int8 per output channel on FBGEMM); the /analyze routes always read the float weights",
+    )
     threads: int | None = Field(None, ge=1, description="torch intra-op threads (CPU); default: torch's choice")
     cuda_graphs: bool = Field(True, description="on CUDA, replay decode steps as CUDA graphs captured at start-up")
 
@@ -39,8 +46,10 @@ class Settings(BaseSettings):
         None, ge=1, le=1_000_000,
         description="prompt tokens prefilled per engine step; longer prompts are prefilled in chunks between decode steps; default 256 on CPU, 2048 on CUDA",
     )
+    # Off by default: on this CPU it pays for one client on repetitive or quoting text and costs
+    # with many clients or open-ended text (README, bench/bench_speculative.py).
     speculative_ngram: bool = Field(
-        True, description="speculative decoding: draft tokens from the sequence's own n-grams, verified in one forward"
+        False, description="speculative decoding: draft tokens from the sequence's own n-grams, verified in one forward"
     )
     speculative_ngram_min: int = Field(1, ge=1, le=16, description="shortest n-gram looked up for a draft")
     speculative_ngram_max: int = Field(3, ge=1, le=16, description="longest n-gram looked up (tried first)")
@@ -64,7 +73,9 @@ class Settings(BaseSettings):
     header_timeout_seconds: float = Field(10.0, gt=0, le=3600, description="a request's headers must arrive within this")
     body_timeout_seconds: float = Field(30.0, gt=0, le=3600, description="a request's body must arrive within this")
     allowed_hosts: str | None = Field(
-        None, description="Host names served, comma-separated, '*' for any; default: loopback names when bound to loopback"
+        None,
+        description="Host names served, comma-separated, '*.example.com' for its subdomains, '*' for any;"
+        " default: loopback names when bound to loopback",
     )
     cors_origins: str = Field(
         "", max_length=4000, description="comma-separated origins browsers may call from ('*': any); empty: CORS off"
@@ -84,6 +95,16 @@ class Settings(BaseSettings):
         None, min_length=1, max_length=200, description="its name in reports; default the folder's name"
     )
     inspect_max_tokens: int = Field(64, ge=1, le=1024, description="tokens per /analyze/attention or /analyze/logit-lens text")
+
+    @field_validator("allowed_hosts")
+    @classmethod
+    def _host_patterns(cls, value: str | None) -> str | None:
+        # Starlette's TrustedHostMiddleware checks them (an assert) only at the first request.
+        for pattern in (value or "").split(","):
+            pattern = pattern.strip()
+            if "*" in pattern[1:] or (pattern.startswith("*") and pattern != "*" and not pattern.startswith("*.")):
+                raise ValueError(f"{pattern!r}: a wildcard must be '*' alone or lead a domain, as '*.example.com'")
+        return value
 
     @model_validator(mode="after")
     def _consistent(self) -> "Settings":

@@ -64,5 +64,6 @@ def write_model_dir(
     }
     tensors.update(extra_tensors or {})
     save_file(tensors, str(out_dir / SINGLE_FILE), metadata={"format": "pt"})
-    (out_dir / CONFIG_FILE).write_text(json.dumps(config.to_hf_dict(), indent=2) + "\n")
+    config_dict = config.to_hf_dict(dtype=str(dtype).removeprefix("torch."))
+    (out_dir / CONFIG_FILE).write_text(json.dumps(config_dict, indent=2) + "\n")
     return out_dir

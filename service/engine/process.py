@@ -20,6 +20,7 @@ import torch
 import zmq
 
 from model.config import DTYPES
+from model.linear import full_range_activations
 from service.engine.core import EngineConfig, EngineCore
 from service.engine.protocol import (
     AbortRequests,
@@ -49,6 +50,7 @@ class CoreProcessConfig:
     eos_token_id: int
     input_address: str = ""  # the HTTP side's PUSH socket, bound before the core starts
     output_address: str = ""  # the HTTP side's PULL socket
+    quantize: str = "none"  # a model.linear.QUANTIZE_MODES name; this process's model only
 
 
 def run_core(config: CoreProcessConfig) -> None:
@@ -81,6 +83,11 @@ def build_core(config: CoreProcessConfig) -> EngineCore:
     if config.threads:
         torch.set_num_threads(config.threads)
     model = load_model(config.model_dir, device=config.device, dtype=DTYPES[config.dtype])
+    if config.quantize != "none":
+        # Here only: the HTTP process's copy, which the analysis routes read, stays float.
+        model.quantize(config.quantize)
+        log.info("serving %s weights (model.linear.Int8Weight), 8-bit activations: %s",
+                 config.quantize, full_range_activations())
     return EngineCore(model, config.eos_token_id, config.engine)
 
 

@@ -9,6 +9,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from model.linear import QUANTIZE_METHODS
 from service.http import routes_openai, routes_tgi, routes_tokenizer
 from service.analysis import inspection
 from service.analysis import routes as analysis_routes
@@ -49,6 +50,13 @@ async def info(request: Request) -> dict:
             "parameters": sum(p.numel() for p in state.model.parameters()),
         },
         "weights_origin": state.origin,
+        "quantization": {
+            "mode": settings.quantize,
+            # Generation runs in the engine core on its own copy; /analyze reads this process's.
+            "generation_weights": settings.quantize if settings.quantize != "none" else settings.dtype,
+            "analysis_weights": str(state.model.dtype).removeprefix("torch."),
+            "method": QUANTIZE_METHODS.get(settings.quantize),
+        },
         "max_input_tokens": limits.context_length - 1,
         "max_total_tokens": limits.context_length,
         "max_new_tokens": limits.max_new_tokens,

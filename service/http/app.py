@@ -13,9 +13,11 @@ from __future__ import annotations
 from contextlib import asynccontextmanager
 
 import torch
+from asgi_correlation_id import CorrelationIdMiddleware
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
+from model.linear import int8_problem
 from service.analysis.startup import prepare_analysis
 from service.http.api import include_routes
 from service.http.auth import BearerAuthMiddleware
@@ -28,7 +30,7 @@ from service.http.errors import install_error_handlers
 from service.http.generation import Generations
 from service.http.metrics import RequestMetricsMiddleware
 from service.http.request_guards import FramingMiddleware, HostAllowListMiddleware
-from service.http.request_context import HEADER, RequestIdMiddleware
+from service.http.request_context import HEADER, REQUEST_ID_OPTIONS
 from service.settings import Settings
 from service.http.state import ServiceState
 from weights.checkpoint import load_model
@@ -48,7 +50,7 @@ def load_state(settings: Settings) -> ServiceState:
     state.metrics.describe_model(
         name=settings.model_name, n_layer=config.n_layer, n_head=config.n_head, n_embd=config.n_embd,
         n_positions=config.n_positions, vocab_size=config.vocab_size, dtype=settings.dtype,
-        device=settings.device, source=state.origin.get("source", "unknown"),
+        device=settings.device, source=state.origin.get("source", "unknown"), quantization=settings.quantize,
     )
     return state
 
@@ -67,6 +69,11 @@ def build_client(state: ServiceState) -> EngineClient:
         speculative=settings.speculation,
         static_decode=settings.cuda_graphs and settings.device == "cuda",
     )
+    if settings.quantize != "none":
+        # Refused here, before a core is spawned: `python -m service` prints it as one line.
+        problem = int8_problem(settings.device, settings.torch_dtype)
+        if problem is not None:
+            raise ValueError(problem)
     config = CoreProcessConfig(
         model_dir=settings.model_dir,
         device=settings.device,
@@ -74,6 +81,7 @@ def build_client(state: ServiceState) -> EngineClient:
         threads=settings.threads,
         engine=engine_config,
         eos_token_id=state.tokenizer.eos_token_id,
+        quantize=settings.quantize,
     )
     return EngineClient(
         config,
@@ -130,5 +138,5 @@ def create_app(settings: Settings) -> FastAPI:
             CORSMiddleware, allow_origins=settings.cors_origin_list, allow_methods=["GET", "POST"],
             allow_headers=["*"], expose_headers=[HEADER],
         )
-    app.add_middleware(RequestIdMiddleware)  # outermost: every answer carries the id
+    app.add_middleware(CorrelationIdMiddleware, **REQUEST_ID_OPTIONS)  # outermost: every answer carries the id
     return app

@@ -2,8 +2,8 @@
 error shape: ambiguous message framing (request smuggling) and unexpected Host names (DNS
 rebinding).
 
-Starlette's TrustedHostMiddleware does the host check but answers in plain text and drops the
-port with `split(":")`, which cuts IPv6 literals ("[::1]:8000"); hence this small version.
+The Host check is Starlette's TrustedHostMiddleware (which parses IPv6 literals, "[::1]:8000");
+only its plain-text refusal is replaced by the service's JSON error.
 """
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ from __future__ import annotations
 import ipaddress
 
 from starlette.datastructures import Headers
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.middleware.trustedhost import TrustedHostMiddleware
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.http.errors import error_response
 
@@ -34,13 +35,6 @@ def default_allowed_hosts(bind_host: str) -> str | None:
     return ",".join(LOOPBACK_HOSTS) if is_loopback(bind_host) else None
 
 
-def host_name(header: str) -> str:
-    """The Host header without its port; IPv6 literals keep their brackets."""
-    if header.startswith("["):
-        return header[: header.find("]") + 1]
-    return header.rsplit(":", 1)[0] if header.count(":") == 1 else header
-
-
 class FramingMiddleware:
     """RFC 9112 §6.3: a request with both Content-Length and Transfer-Encoding may be read
     differently by a proxy in front and by this server (request smuggling); answer 400 and close
@@ -60,16 +54,32 @@ class FramingMiddleware:
         await self.app(scope, receive, send)
 
 
+# Set in the scope by the inner app TrustedHostMiddleware calls for a host it accepts.
+_HOST_ACCEPTED = "gpt2.host_accepted"
+
+
+async def _accept(scope: Scope, receive: Receive, send: Send) -> None:
+    scope[_HOST_ACCEPTED] = True
+
+
+async def _discard(message: Message) -> None:
+    """TrustedHostMiddleware's own plain-text refusal: replaced by the JSON one."""
+
+
 class HostAllowListMiddleware:
+    """Starlette's TrustedHostMiddleware decides; a refusal is answered in the service's error shape."""
+
     def __init__(self, app: ASGIApp, allowed_hosts: str) -> None:
         self.app = app
-        self.allowed = frozenset(h.strip().lower() for h in allowed_hosts.split(",") if h.strip())
+        self.allowed = sorted({h.strip().lower() for h in allowed_hosts.split(",") if h.strip()})
+        self.trusted = TrustedHostMiddleware(_accept, allowed_hosts=self.allowed, www_redirect=False)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and "*" not in self.allowed:
-            given = host_name(Headers(scope=scope).get("host", "")).lower()
-            if given not in self.allowed:
-                message = f"Host {given!r} is not served here; allowed: {', '.join(sorted(self.allowed))}"
+        if scope["type"] == "http":
+            await self.trusted(scope, receive, _discard)
+            if not scope.pop(_HOST_ACCEPTED, False):
+                given = Headers(scope=scope).get("host", "")
+                message = f"Host {given!r} is not served here; allowed: {', '.join(self.allowed)}"
                 await error_response(400, "validation", message)(scope, receive, send)
                 return
         await self.app(scope, receive, send)

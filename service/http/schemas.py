@@ -390,6 +390,10 @@ class Info(BaseModel):
     model_device_type: str
     config: dict = Field(description="the GPT-2 hyper-parameters")
     weights_origin: dict
+    quantization: dict = Field(
+        description="mode (--quantize); the weights generation runs on (engine core) and those the /analyze routes"
+        " read (always the float ones); method (null: none)"
+    )
     max_input_tokens: int
     max_total_tokens: int
     max_new_tokens: int

@@ -141,7 +141,14 @@ def test_prompt_tokens_split_into_computed_and_cached(fresh, tokenizer):
     assert delta("gpt2_prompt_tokens_total") == 2 * length
 
 
-def test_speculation_counts_drafts_and_tokens_per_forward(fresh, tokenizer):
+@pytest.fixture(scope="module")
+def speculating(tiny_model_dir):
+    with TestClient(create_app(settings_for(tiny_model_dir, speculative_ngram=True))) as client:
+        yield client
+
+
+def test_speculation_counts_drafts_and_tokens_per_forward(speculating):
+    fresh = speculating
     # The tiny random model's greedy output soon cycles: n-gram drafts of it stand.
     body = {"inputs": "one two three one two three one two three", "parameters": {"max_new_tokens": 40}}
     names = ("gpt2_spec_draft_tokens_total", "gpt2_spec_accepted_tokens_total", "gpt2_decode_sequence_steps_total",

@@ -133,7 +133,7 @@ def test_info_reports_model_and_limits(client, tiny_model_dir):
     assert info["kv_cache"]["slots_total"] == 4
     assert info["kv_cache"]["prefix_caching"] is True
     assert info["max_prefill_tokens_per_step"] == 256  # the CPU's default
-    assert info["speculative_decoding"] == {"method": "ngram", "ngram_min": 1, "ngram_max": 3, "tokens": 4}
+    assert info["speculative_decoding"] == {"method": None, "ngram_min": 1, "ngram_max": 3, "tokens": 4}
 
 
 def test_body_over_limit_gets_413_before_parsing(tiny_model_dir):
@@ -201,8 +201,11 @@ def test_prefix_caching_and_the_prefill_budget_are_flags():
 def test_speculation_settings_are_flags_and_checked():
     from service.__main__ import parse_settings
 
-    settings = parse_settings(["--speculative-ngram-min", "2", "--speculative-ngram-max", "4", "--speculative-tokens", "6"])
+    settings = parse_settings(
+        ["--speculative-ngram", "--speculative-ngram-min", "2", "--speculative-ngram-max", "4", "--speculative-tokens", "6"]
+    )
     assert settings.speculation.min_n == 2 and settings.speculation.max_n == 4 and settings.speculation.tokens == 6
     assert parse_settings(["--no-speculative-ngram"]).speculation is None
+    assert parse_settings([]).speculation is None and parse_settings(["--speculative-ngram"]).speculation is not None
     with pytest.raises(SystemExit):
         parse_settings(["--speculative-ngram-min", "5", "--speculative-ngram-max", "2"])
