@@ -1,7 +1,7 @@
 """What quantization costs in accuracy, measured as llama.cpp's `perplexity --kl-divergence` does.
 
     .venv/bin/python -m bench.quant_error --model-dir weights/shakespeare
-    .venv/bin/python -m bench.quant_error --model-dir weights/gpt2 --max-windows 16   # random init
+    .venv/bin/python -m bench.quant_error --model-dir weights/gpt2 --max-windows 32 --batch 1   # random init
 
 The float model and the quantized one (`GPT2.quantize`, as the engine core serves it) read the
 same held-out text: the four works weights.train never trained on (weights/corpus.py), in
