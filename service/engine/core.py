@@ -183,7 +183,8 @@ class EngineCore:
         completing = plan.completing
         active = completing + plan.decode
         with torch.inference_mode():
-            propose(plan.decode)
+            if self.config.speculative is not None:
+                propose(plan.decode)
             rows = self._layout(plan)
             for src, dst, length, swap in plan.moves:
                 self._move(src, dst, length, swap)
@@ -247,23 +248,17 @@ class EngineCore:
         for seq in decoding:
             row_of[seq.slot] = row
             row += 1 + len(seq.draft)
-        sampled = [
-            (state, seq)
-            for state in plan.completing + plan.decode
-            if state.beam is None
-            for seq in state.live
-            for _ in range(1 + len(seq.draft))
-        ]
-        # Row j of a sequence's 1 + k draws the token at its length + j (its seed's draw there).
-        positions, previous = [], None
-        for _, seq in sampled:
-            positions.append(positions[-1] + 1 if seq is previous else 0)
-            previous = seq
+        sampled, index_rows = [], []
+        for state in plan.completing + plan.decode:
+            if state.beam is not None:
+                continue
+            for seq in state.live:
+                # Row j of a sequence's 1 + k draws the token at its length + j (its seed's draw there).
+                for j in range(1 + len(seq.draft)):
+                    sampled.append((state, seq))
+                    index_rows.append([row_of[seq.slot] + j, seq.slot, len(seq.token_ids) + j])
         # One host→device copy for the three index vectors: [3, B].
-        indices = torch.tensor(
-            [[row_of[seq.slot] + j, seq.slot, len(seq.token_ids) + j] for (_, seq), j in zip(sampled, positions)],
-            dtype=torch.long,
-        ).reshape(-1, 3).t().to(self.device, non_blocking=True)
+        indices = torch.tensor(index_rows, dtype=torch.long).reshape(-1, 3).t().to(self.device, non_blocking=True)
         sample_rows, sample_slots, sample_counters = indices  # [B] each
         return StepRows(decoding, row_of, sampled, sample_rows, sample_slots, sample_counters)
 

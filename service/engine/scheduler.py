@@ -259,10 +259,12 @@ class Scheduler:
                     if state.slots_needed > self.cache.slots_free:
                         break  # first come, first served: nobody overtakes another for slots
                     prompt = state.request.prompt_ids
-                    match = self.prefix.best_match(prompt, state.score_alternatives, self._running_prefixes())
+                    match = None
+                    if self.prefix.enabled:  # without the cache, nothing is reused or worth waiting for
+                        match = self.prefix.best_match(prompt, state.score_alternatives, self._running_prefixes())
+                        if self._worth_waiting(state, match.length if match else 0):
+                            continue
                     reused = match.length if match else 0
-                    if self._worth_waiting(state, reused):
-                        continue
                     size = budget.take(len(prompt) - reused)
                     if not size:
                         break

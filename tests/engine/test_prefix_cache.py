@@ -273,3 +273,9 @@ def test_padded_decode_rows_never_overwrite_a_cached_prefix(make_engine, hf_mode
     assert result.sequences[0].token_ids == hf_generate(hf_model, follow_up, 10)
     cold = cold_engine(make_engine).generate([make_request(follow_up, request_id="reuses", max_new_tokens=10)])
     assert_same({"reuses": result}, {"reuses": cold[0]})
+
+
+def test_without_the_cache_prompts_sharing_a_context_do_not_wait(make_engine):
+    engine = make_engine(prefix_caching=False)
+    engine.submit([make_request(CONTEXT + [i], request_id=f"c{i}", max_new_tokens=2) for i in range(3)])
+    assert engine.step().stats.prefill_tokens == 3 * (len(CONTEXT) + 1)  # nothing to wait for
