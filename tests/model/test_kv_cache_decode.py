@@ -108,4 +108,3 @@ def test_padded_batch_prefill_then_decode(model, layout):
     for b, n in enumerate(PROMPT_LENGTHS):
         assert_close(logits[b], expected[b][n - 1], f"row {b} prefill")
     decode_together(model, cache, rows, sequences, list(PROMPT_LENGTHS), expected)
-
