@@ -89,12 +89,17 @@ class SpecConfig:
 
     speculative: bool
     settings: NgramSettings
+    weight_pass_rows: float | None = None  # None: the server's default for its device
 
     def flags(self) -> list[str]:
         s = self.settings
+        rows = [] if self.weight_pass_rows is None else ["--speculative-weight-pass-rows", str(self.weight_pass_rows)]
         return ["--speculative-ngram" if self.speculative else "--no-speculative-ngram",
                 "--speculative-ngram-min", str(s.min_n), "--speculative-ngram-max", str(s.max_n),
-                "--speculative-tokens", str(s.tokens)]
+                "--speculative-tokens", str(s.tokens), *rows]
+
+
+ALWAYS_DRAFT_ROWS = 1e9  # so many rows per weight pass that every draft token is worth its row
 
 
 def warm_up(url: str, clients: int) -> None:
@@ -204,6 +209,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--speculative-ngram-min", type=int, default=1)
     parser.add_argument("--speculative-ngram-max", type=int, default=3)
     parser.add_argument("--speculative-tokens", type=int, default=4)
+    parser.add_argument("--weight-pass-rows", type=float, default=None,
+                        help="the `on` server's --speculative-weight-pass-rows (default: the server's for the device)")
+    parser.add_argument("--compare-always-k", action="store_true",
+                        help="a third server, `always-k`, that drafts k tokens whenever it can (weight-pass rows 1e9):"
+                             " what pricing drafts by acceptance and batch size changes")
     parser.add_argument("--drafter-sequences", type=int, default=16)
     parser.add_argument("--drafter-start", type=int, default=32, help="tokens each drafter sequence starts with")
     parser.add_argument("--drafter-repeats", type=int, default=5)
@@ -257,7 +267,9 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{args.model_dir}: {n_positions}-token context, {args.device} {args.dtype}; n-grams {settings.min_n}.."
           f"{settings.max_n}, k = {settings.tokens}; prompts up to {longest} tokens, up to {max_new} new\n", flush=True)
 
-    configs = {"on": SpecConfig(True, settings), "off": SpecConfig(False, settings)}
+    configs = {"on": SpecConfig(True, settings, args.weight_pass_rows), "off": SpecConfig(False, settings)}
+    if args.compare_always_k:
+        configs["always-k"] = SpecConfig(True, settings, ALWAYS_DRAFT_ROWS)
     results, outputs, commands = {}, {}, {}
     for name, config in configs.items():
         results[name], outputs[name], commands[name] = run_server(args, name, config, runs, slots, max_new)
@@ -274,10 +286,14 @@ def main(argv: list[str] | None = None) -> None:
         on, off = results["on"][key], results["off"][key]
         goal = GOALS[key]
         ratio = on["tok_s"] / off["tok_s"]
-        bad = mismatches(requests, outputs["on"][key], outputs["off"][key])
+        bad = mismatches(requests, [o for name in configs if name != "off" for o in outputs[name][key]],
+                         outputs["off"][key])
         if workload == "grounded":
             quotes[key] = quote_summary(requests, outputs["on"][key][0], args.repeat_tokens)
+        always = results.get("always-k", {}).get(key)
         rows.append({"workload": workload, "clients": clients, "requests": len(requests), "on_tok_s": on["tok_s"],
+                     "always_k_ratio": always["tok_s"] / off["tok_s"] if always else None,
+                     "always_k_acceptance": always["acceptance"] if always else None,
                      "off_tok_s": off["tok_s"], "ratio": ratio, "goal": goal, "met": ratio >= goal,
                      "acceptance": on["acceptance"], "tokens_per_forward": on["tokens_per_forward"],
                      "off_tokens_per_forward": off["tokens_per_forward"], "ttft_p50_ms": (on["ttft_p50_ms"], off["ttft_p50_ms"]),
@@ -320,7 +336,7 @@ def main(argv: list[str] | None = None) -> None:
     print()
     print(f"{'workload':11s} {'clients':>7s} {'reqs':>4s} {'on tok/s':>9s} {'off tok/s':>9s} {'on/off':>7s} {'goal':>6s} "
           f"{'met':>3s} {'accept':>6s} {'tok/fwd':>7s} {'TTFT p50 on/off ms':>18s} {'ITL p50 on/off ms':>17s} {'mismatch':>8s} "
-          f"{'others on/off':>13s}")
+          f"{'others on/off':>13s}" + (f" {'always-k/off':>12s} {'accept':>6s}" if args.compare_always_k else ""))
     for row in rows:
         ttft = "/".join(show(v, ".0f") for v in row["ttft_p50_ms"])
         itl = "/".join(show(v, ".1f") for v in row["itl_p50_ms"])
@@ -328,7 +344,9 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{row['workload']:11s} {row['clients']:7d} {row['requests']:4d} {row['on_tok_s']:9.1f} {row['off_tok_s']:9.1f} "
               f"{row['ratio']:6.2f}x {row['goal']:5.2f}x {'yes' if row['met'] else 'NO':>3s} "
               f"{show(row['acceptance'], '.0%'):>6s} {show(row['tokens_per_forward'], '.2f'):>7s} {ttft:>18s} "
-              f"{itl:>17s} {row['mismatched_requests']:8d} {others:>13s}")
+              f"{itl:>17s} {row['mismatched_requests']:8d} {others:>13s}"
+              + (f" {show(row['always_k_ratio'], '.2f'):>11s}x {show(row['always_k_acceptance'], '.0%'):>6s}"
+                 if args.compare_always_k else ""))
     print(f"\ngoals met: {sum(r['met'] for r in rows)} of {len(rows)}; requests whose token ids differ on/off: "
           f"{sum(r['mismatched_requests'] for r in rows)} of {sum(r['requests'] for r in rows)}")
     if not all(r["quiet"] for r in rows):

@@ -14,6 +14,12 @@ from service.engine.ngram_drafter import NgramSettings
 
 
 CPU_PREFILL_TOKENS, CUDA_PREFILL_TOKENS = 256, 2048
+# Rows a forward adds for the price of one pass over the weights (service/engine/draft_policy.py).
+# CPU: the float32 products of one decode step take 17.6 ms for 1 row and 51.0 ms for 32 rows
+# (bench/kernels.py), ~1.08 ms a row, so ~16 rows per weight pass. CUDA: an H100's fp16 decode
+# graph replays in 0.76 ms at batch 1 and 1.74 ms at 256, ~200 rows per pass (verification
+# runs eagerly there: to be measured on a GPU).
+CPU_WEIGHT_PASS_ROWS, CUDA_WEIGHT_PASS_ROWS = 16.0, 200.0
 
 
 class Settings(BaseSettings):
@@ -53,7 +59,13 @@ class Settings(BaseSettings):
     )
     speculative_ngram_min: int = Field(1, ge=1, le=16, description="shortest n-gram looked up for a draft")
     speculative_ngram_max: int = Field(3, ge=1, le=16, description="longest n-gram looked up (tried first)")
-    speculative_tokens: int = Field(4, ge=1, le=16, description="tokens drafted per sequence per step (k)")
+    speculative_tokens: int = Field(4, ge=1, le=16, description="the most tokens a sequence drafts per step (k)")
+    speculative_weight_pass_rows: float | None = Field(
+        None, gt=0, le=1e9,
+        description="rows a forward adds for the cost of one pass over the weights: a sequence drafts a token only"
+        " while its recent acceptance pays for the row at the step's batch size; default 16 on CPU, 200 on CUDA;"
+        " 1e9: always draft k",
+    )
     prefix_caching: bool = Field(True, description="keep finished sequences' keys and values; prompts reuse their longest cached prefix")
     max_new_tokens: int = Field(1024, ge=1, description="largest max_new_tokens a request may ask for")
     default_max_new_tokens: int = Field(20, ge=1, description="max_new_tokens when a TGI request gives none")
@@ -130,7 +142,15 @@ class Settings(BaseSettings):
     def speculation(self) -> NgramSettings | None:
         if not self.speculative_ngram:
             return None
-        return NgramSettings(self.speculative_ngram_min, self.speculative_ngram_max, self.speculative_tokens)
+        return NgramSettings(
+            self.speculative_ngram_min, self.speculative_ngram_max, self.speculative_tokens, self.weight_pass_rows
+        )
+
+    @property
+    def weight_pass_rows(self) -> float:
+        if self.speculative_weight_pass_rows is not None:
+            return self.speculative_weight_pass_rows
+        return CUDA_WEIGHT_PASS_ROWS if self.device == "cuda" else CPU_WEIGHT_PASS_ROWS
 
     @property
     def prefill_budget(self) -> int:

@@ -149,7 +149,7 @@ class EngineCore:
         try:
             plan = self.scheduler.schedule(started)
             results.done = [self._finish(state) for state in plan.cancelled]
-            prefill_tokens = sum(chunk.end - chunk.start for chunk in plan.prefill)
+            prefill_tokens = plan.prefill_tokens
             cached_tokens = plan.cached_tokens
             decode_tokens = sum(len(s.live) for s in plan.decode)
             results.decode_output_tokens = sum(len(s.live) for s in plan.decode if s.beam is not None)  # one each
@@ -184,7 +184,7 @@ class EngineCore:
         active = completing + plan.decode
         with torch.inference_mode():
             if self.config.speculative is not None:
-                propose(plan.decode)
+                propose(plan.decode, self.config.speculative, plan.prefill_tokens)
             rows = self._layout(plan)
             for src, dst, length, swap in plan.moves:
                 self._move(src, dst, length, swap)
@@ -364,6 +364,8 @@ class EngineCore:
                 results.decode_output_tokens += emitted
                 results.draft_tokens += len(draft)
                 results.accepted_tokens += emitted - 1
+                if seq.drafter is not None:
+                    seq.acceptance.record(len(draft), keep - 1)
             seq.draft = []
             start = end
 

@@ -17,13 +17,18 @@ from dataclasses import dataclass, field
 class NgramSettings:
     min_n: int = 1
     max_n: int = 3
-    tokens: int = 4  # k: drafted tokens per sequence per step
+    tokens: int = 4  # k: the most tokens a sequence drafts in one step
+    # Rows a forward adds for the price of one pass over the weights: what prices a draft token
+    # against the batch (draft_policy.py). math.inf: every sequence drafts k tokens whenever it can.
+    weight_pass_rows: float = 16.0
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_n <= self.max_n:
             raise ValueError(f"n-gram sizes need 1 <= min <= max, got {self.min_n}..{self.max_n}")
         if self.tokens < 1:
             raise ValueError(f"speculative tokens must be at least 1, got {self.tokens}")
+        if not self.weight_pass_rows > 0:
+            raise ValueError(f"weight_pass_rows must be positive, got {self.weight_pass_rows}")
 
 
 @dataclass

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from model.kv_cache import KVCache
+from service.engine.draft_policy import DraftAcceptance
 from service.engine.ngram_drafter import NgramIndex
 from service.engine.prefix_cache import PrefixCache, PrefixMatch, ScoredPrefix, common_prefix_length
 from service.engine.validation import slots_needed, validate_request
@@ -46,6 +47,7 @@ class Sequence:
     cached: int = 0
     drafter: NgramIndex | None = None  # speculative decoding's n-gram index of token_ids
     draft: list[int] = field(default_factory=list)  # this step's drafted tokens
+    acceptance: DraftAcceptance = field(default_factory=DraftAcceptance)  # how its drafts fared
 
     @property
     def generated(self) -> list[int]:
@@ -128,6 +130,10 @@ class StepPlan:
     @property
     def completing(self) -> list[RequestState]:
         return [chunk.state for chunk in self.prefill if chunk.completes]
+
+    @property
+    def prefill_tokens(self) -> int:
+        return sum(chunk.end - chunk.start for chunk in self.prefill)
 
 
 class PrefillBudget:

@@ -11,10 +11,14 @@ from the same distribution (the usual rejection-sampling guarantee).
 Controls that read the tokens before a position (repetition, presence and frequency penalties,
 no_repeat_ngram_size, bad_words_ids) are kept per slot and updated once per step; a sequence
 that uses them does not speculate. Beam search does not speculate either.
+
+How many tokens a sequence drafts each step (0 to k) is draft_policy.py's: as many as its recent
+acceptance makes worth their rows at the step's batch size.
 """
 
 from __future__ import annotations
 
+from service.engine.draft_policy import acceptance_threshold, draft_length
 from service.engine.ngram_drafter import NgramIndex, NgramSettings
 from service.engine.scheduler import RequestState
 from service.engine.types import SamplingParams
@@ -36,15 +40,22 @@ def new_drafter(settings: NgramSettings | None, params: SamplingParams) -> Ngram
     return NgramIndex(settings) if settings is not None and speculates(params) else None
 
 
-def propose(states: list[RequestState]) -> None:
-    """Give each decoding sequence this step's draft (empty where it has none)."""
+def propose(states: list[RequestState], settings: NgramSettings, prefill_tokens: int) -> None:
+    """Give each decoding sequence this step's draft (empty where it has none or none pays).
+
+    The step's rows before drafts, what a draft token is priced against: one per decoding
+    sequence and one per prompt token prefilled beside them.
+    """
+    rows = sum(len(state.live) for state in states) + prefill_tokens
+    threshold = acceptance_threshold(rows, settings.weight_pass_rows)
     for state in states:
         for seq in state.live:
             if seq.drafter is None:
                 continue
             # The step makes at most 1 + k tokens; draft none past max_new_tokens.
             room = state.params.max_new_tokens - len(seq.generated) - 1
-            seq.draft = seq.drafter.draft(seq.token_ids, room)
+            most = min(room, draft_length(seq.acceptance.rate, threshold, settings.tokens))
+            seq.draft = seq.drafter.draft(seq.token_ids, most) if most > 0 else []
 
 
 def kept_length(drawn: list[int], draft: list[int]) -> int:

@@ -77,6 +77,7 @@ async def info(request: Request) -> dict:
             "ngram_min": settings.speculative_ngram_min,
             "ngram_max": settings.speculative_ngram_max,
             "tokens": settings.speculative_tokens,
+            "weight_pass_rows": settings.weight_pass_rows,
         },
         "version": package_version(),
     }

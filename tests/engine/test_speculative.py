@@ -8,22 +8,28 @@ greedy output soon cycles, which n-gram drafts predict well: acceptance is high 
 
 from __future__ import annotations
 
+import math
+from dataclasses import replace
+
 import pytest
 import torch
 
+from service.engine.draft_policy import DraftAcceptance, acceptance_threshold, draft_length
 from service.engine.ngram_drafter import NgramIndex, NgramSettings
 from service.engine.speculation import kept_length, speculates
 from service.engine.types import SamplingParams
 from tests.engine.conftest import make_request, random_prompt
 
 TOLERANCE = 1e-5
-SETTINGS = NgramSettings(min_n=1, max_n=3, tokens=4)
+# Every sequence drafts k tokens whenever it can: the most verification to get right. Pricing
+# drafts by acceptance and batch size (draft_policy.py) has tests of its own at the end.
+SETTINGS = NgramSettings(min_n=1, max_n=3, tokens=4, weight_pass_rows=math.inf)
 # A prompt that repeats itself, so drafts exist from the first decode step.
 REPEATING = random_prompt(7, seed=70) * 3
 
 
-def run(make_engine, requests_fn, speculative: bool, cancel_after: dict | None = None, **config):
-    engine = make_engine(speculative=SETTINGS if speculative else None, **config)
+def run(make_engine, requests_fn, speculative: bool, cancel_after: dict | None = None, settings=SETTINGS, **config):
+    engine = make_engine(speculative=settings if speculative else None, **config)
     totals = {"draft": 0, "accepted": 0, "steps": 0}
     results, step = {}, 0
     for batch in requests_fn():
@@ -53,8 +59,8 @@ def assert_identical(ours: dict, reference: dict) -> None:
                 assert [[t for t, _ in top] for top in seq.top_logprobs] == [[t for t, _ in top] for top in ref.top_logprobs]
 
 
-def both(make_engine, requests_fn, **config):
-    on, totals = run(make_engine, requests_fn, True, **config)
+def both(make_engine, requests_fn, settings=SETTINGS, **config):
+    on, totals = run(make_engine, requests_fn, True, settings=settings, **config)
     off, _ = run(make_engine, requests_fn, False, **config)
     assert_identical(on, off)
     return on, totals
@@ -182,3 +188,67 @@ def test_a_cancelled_speculating_request_frees_its_slot_with_a_prefix_of_its_out
     assert cancelled.finish_reason == "cancelled"
     assert cancelled.token_ids == off["c"].sequences[0].token_ids[: len(cancelled.token_ids)]
     assert_identical({"keep": on["keep"]}, {"keep": off["keep"]})
+
+
+# --- how many tokens each sequence drafts: priced by its acceptance and the batch ---------------------
+def test_the_threshold_rises_with_the_batch():
+    assert acceptance_threshold(1, 16.0) == pytest.approx(1 / 17)
+    assert acceptance_threshold(16, 16.0) == pytest.approx(0.5)
+    assert acceptance_threshold(16, math.inf) == 0.0
+
+
+def test_a_draft_is_as_long_as_its_acceptance_pays_for():
+    assert draft_length(0.9, 0.5, most=4) == 4  # 0.9^4 = 0.66: all four pay
+    assert draft_length(0.9, 0.6, most=8) == 4  # 0.9^4 = 0.656 >= 0.6 > 0.9^5 = 0.59
+    assert draft_length(0.6, 0.5, most=4) == 1  # 0.6^2 = 0.36 < 0.5
+    assert draft_length(0.4, 0.5, most=4) == 0
+    assert draft_length(0.5, 0.5, most=4) == 1  # exactly at the threshold
+    assert draft_length(1.0, 0.9, most=3) == 3 and draft_length(0.3, 0.0, most=3) == 3
+    assert draft_length(0.9, 0.1, most=0) == 0
+
+
+def test_acceptance_follows_recent_drafts_and_recovers_after_failures():
+    acceptance = DraftAcceptance()
+    assert acceptance.rate == pytest.approx(0.5)  # the prior, before any draft
+    for _ in range(10):
+        acceptance.record(drafted=4, accepted=4)
+    assert acceptance.rate > 0.95
+    acceptance.record(drafted=4, accepted=2)  # two stood, the third did not: 2 of 3 tested
+    assert 0.85 < acceptance.rate < 0.95
+    for _ in range(10):
+        acceptance.record(drafted=2, accepted=0)  # only the first token of each draft was tested
+    failing = acceptance.rate
+    assert failing < 1 / 17  # too low to pay for a row even for one client on a CPU
+    steps = 0
+    while draft_length(acceptance.rate, 1 / 17, 4) == 0:
+        acceptance.record(drafted=0, accepted=0)  # steps without a draft: back towards the prior
+        steps += 1
+    assert 1 < steps < 100 and acceptance.rate > failing
+
+
+def test_failing_drafts_stop_and_greedy_tokens_stay_identical(make_engine, monkeypatch):
+    """Drafts that never stand: pricing them cuts the rows verified, the tokens do not change."""
+    monkeypatch.setattr(NgramIndex, "draft", lambda self, tokens, limit: [7] * limit)
+    requests = lambda: [[make_request(random_prompt(9, seed=5), request_id="x", max_new_tokens=40)]]  # noqa: E731
+    priced = replace(SETTINGS, weight_pass_rows=16.0)
+    on, priced_totals = run(make_engine, requests, True, settings=priced)
+    _, always_totals = run(make_engine, requests, True)
+    off, _ = run(make_engine, requests, False)
+    assert_identical(on, off)
+    assert always_totals["draft"] >= 4 * 30  # k tokens at (nearly) every step
+    assert 0 < priced_totals["draft"] < always_totals["draft"] / 4  # it keeps trying, a token now and then
+
+
+def test_a_large_batch_drafts_only_what_stands_often(make_engine):
+    """Drafts that stand about half the time: one client drafts, sixteen rows do not (at 16
+    rows per weight pass a draft token must stand 50% of the time just to pay for its row)."""
+    params = dict(do_sample=True, max_new_tokens=30, logit_bias=PEAKED, temperature=0.7, top_k=50, top_p=0.9)
+    one = lambda: [[make_request(REPEATING, request_id="a", seed=1, **params)]]  # noqa: E731
+    many = lambda: [[make_request(REPEATING, request_id=f"m{i}", seed=i, **params) for i in range(16)]]  # noqa: E731
+    priced = replace(SETTINGS, weight_pass_rows=16.0)
+    _, alone = both(make_engine, one, settings=priced)
+    _, batched = both(make_engine, many, settings=priced, max_slots=16)
+    _, always = run(make_engine, many, True, max_slots=16)
+    assert alone["draft"] > 0
+    assert batched["draft"] / 16 < alone["draft"] / 2  # per sequence, far fewer than alone
+    assert batched["draft"] < always["draft"] / 4

@@ -133,7 +133,9 @@ def test_info_reports_model_and_limits(client, tiny_model_dir):
     assert info["kv_cache"]["slots_total"] == 4
     assert info["kv_cache"]["prefix_caching"] is True
     assert info["max_prefill_tokens_per_step"] == 256  # the CPU's default
-    assert info["speculative_decoding"] == {"method": None, "ngram_min": 1, "ngram_max": 3, "tokens": 4}
+    assert info["speculative_decoding"] == {
+        "method": None, "ngram_min": 1, "ngram_max": 3, "tokens": 4, "weight_pass_rows": 16.0  # the CPU's default
+    }
 
 
 def test_body_over_limit_gets_413_before_parsing(tiny_model_dir):
@@ -207,5 +209,12 @@ def test_speculation_settings_are_flags_and_checked():
     assert settings.speculation.min_n == 2 and settings.speculation.max_n == 4 and settings.speculation.tokens == 6
     assert parse_settings(["--no-speculative-ngram"]).speculation is None
     assert parse_settings([]).speculation is None and parse_settings(["--speculative-ngram"]).speculation is not None
+    # Draft tokens are priced by the device's rows per weight pass unless the flag says otherwise.
+    assert parse_settings(["--speculative-ngram"]).speculation.weight_pass_rows == 16.0
+    assert parse_settings(["--speculative-ngram", "--device", "cuda"]).speculation.weight_pass_rows == 200.0
+    flagged = parse_settings(["--speculative-ngram", "--speculative-weight-pass-rows", "40"])
+    assert flagged.speculation.weight_pass_rows == 40.0
+    with pytest.raises(SystemExit):
+        parse_settings(["--speculative-weight-pass-rows", "0"])
     with pytest.raises(SystemExit):
         parse_settings(["--speculative-ngram-min", "5", "--speculative-ngram-max", "2"])

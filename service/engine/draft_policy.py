@@ -1,0 +1,63 @@
+"""How many tokens each sequence drafts this step: as many as are worth their verification.
+
+A drafted token costs a row in the step's forward (its products, its attention, its logits and
+its draw) whether it stands or not; it saves a step of this sequence only if it and every draft
+token before it stand. With `weight_pass_rows` (ρ) the rows a forward can add for the price of
+one pass over the weights, a step of R rows costs about (ρ + R) rows' worth, so a token it makes
+costs (ρ + R) / R rows, and the j-th draft token is worth its row while
+
+    p^j · (ρ + R) / R  >=  1,    i.e.   p^j >= R / (ρ + R)
+
+where p is the chance that a draft token of this sequence stands. One client on a CPU (R = 1,
+ρ ≈ 16: the weight pass dominates) drafts while p^j >= 6%; sixteen (R = 16, the step is mostly
+products over rows) only while p^j >= 50%; a GPU (ρ in the hundreds) keeps drafting at any batch
+this server runs. transformers' `num_assistant_tokens_schedule="heuristic"` grows and shrinks k
+by how a draft fared; this does the same from an estimate of p, and prices it by batch size.
+
+p is estimated per sequence from its recent drafts: each step with a draft moves the estimate
+30% of the way to the share of that draft's tested tokens that stood, so a sequence that falls
+into a loop, or out of one, is followed within a few steps. A sequence whose drafts stopped
+paying drafts nothing, and its estimate creeps back towards an even prior (0.5% of the way per
+step): after a failing stretch it tries one token again some steps later (for one client on a
+CPU, about every eight), and never at a batch where even p = 0.5 does not pay.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+PRIOR = 0.5  # a new sequence's estimate: half its draft tokens stand
+LEARNING_RATE = 0.3  # how far one step's draft moves the estimate towards what it showed
+RECOVERY = 0.005  # how far one step without a draft moves it back towards the prior
+
+
+@dataclass
+class DraftAcceptance:
+    """A sequence's estimate of the chance that its next draft token stands."""
+
+    rate: float = PRIOR
+
+    def record(self, drafted: int, accepted: int) -> None:
+        """One decode step of the sequence: it drafted `drafted` tokens (maybe 0), `accepted` stood."""
+        if drafted == 0:
+            self.rate += RECOVERY * (PRIOR - self.rate)
+            return
+        # Tested: the tokens that stood and the first that did not (all k when every one stood).
+        tested = min(drafted, accepted + 1)
+        self.rate += LEARNING_RATE * (accepted / tested - self.rate)
+
+
+def acceptance_threshold(rows: int, weight_pass_rows: float) -> float:
+    """The chance a draft token must have of standing to be worth its row in a step of `rows`."""
+    return rows / (weight_pass_rows + rows)
+
+
+def draft_length(rate: float, threshold: float, most: int) -> int:
+    """The longest j <= most with rate^j >= threshold."""
+    if most <= 0 or rate < threshold:
+        return 0
+    if rate >= 1.0 or threshold <= 0.0:
+        return most
+    # rate >= threshold: at least one; max() guards the rounding of an exact power.
+    return min(most, max(1, int(math.log(threshold) / math.log(rate))))
