@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from service.http.errors import error_response
+from service.common.errors import error_response
 
 STILL_SERVED = frozenset({"/metrics"})
 
