@@ -17,7 +17,7 @@ stay: the analysis and state_dict read them). Everything else (CUDA, float16, bu
 oneDNN) uses `F.linear`.
 
 int8 (`--quantize int8`, `Int8Weight`): per-output-channel symmetric int8 weights on FBGEMM's
-dynamic int8 linear, chosen by bench/kernels_int8.py (README, "int8 weights"): a decode step's
+dynamic int8 linear, chosen by bench/kernels_int8.py (docs/performance.md, "int8 weights"): a decode step's
 products take 2.4-3.2x fewer milliseconds than packed float32 at one row, 1.5-2.2x at 16-32 rows.
 FBGEMM quantizes its input with one scale for the whole matrix; `Int8Weight` gives each row its
 own instead (below), so a row's result never depends on the rows beside it.

@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> None:
         settings = settings.model_copy(update={"allowed_hosts": default_allowed_hosts(settings.host)})
     if settings.device == "cuda" and not torch.cuda.is_available():
         sys.exit(f"cannot start: --device cuda, but this torch ({torch.__version__}) sees no CUDA device")
-    from service.http.app import create_app
+    from service.app import create_app
     from service.http.server import serve
 
     try:

@@ -53,7 +53,7 @@ class Settings(BaseSettings):
         description="prompt tokens prefilled per engine step; longer prompts are prefilled in chunks between decode steps; default 256 on CPU, 2048 on CUDA",
     )
     # Off by default: on this CPU it pays for one client on repetitive or quoting text and costs
-    # with many clients or open-ended text (README, bench/bench_speculative.py).
+    # with many clients or open-ended text (docs/engine.md, bench/bench_speculative.py).
     speculative_ngram: bool = Field(
         False, description="speculative decoding: draft tokens from the sequence's own n-grams, verified in one forward"
     )

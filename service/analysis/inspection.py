@@ -21,8 +21,8 @@ from starlette.concurrency import run_in_threadpool
 from model.introspect import attention_maps, logit_lens
 from service.analysis.figure import SVG_MEDIA_TYPE
 from service.analysis.routes import ERRORS, analysis_gate
-from service.http.errors import overloaded_error, validation_error
-from service.http.state import ServiceState, service_state
+from service.common.errors import overloaded_error, validation_error
+from service.common.state import SharedState, shared_state
 
 router = APIRouter(tags=["Analysis"])
 
@@ -53,7 +53,7 @@ class LensRequest(InspectRequest):
 
 @router.post("/analyze/attention", responses=ERRORS, summary="Per-layer, per-head attention probabilities for a short text")
 async def attention(body: AttentionRequest, request: Request) -> Response:
-    state = service_state(request)
+    state = shared_state(request)
     n_layer = state.model.config.n_layer
     layers = body.layers if body.layers is not None else list(range(n_layer))
     bad = [layer for layer in layers if not 0 <= layer < n_layer]
@@ -74,7 +74,7 @@ async def attention(body: AttentionRequest, request: Request) -> Response:
 
 @router.post("/analyze/logit-lens", responses=ERRORS, summary="The most likely next tokens read after every layer")
 async def lens(body: LensRequest, request: Request) -> Response:
-    state = service_state(request)
+    state = shared_state(request)
     ids = await token_ids(state, body)
     top = await gated(request, state, logit_lens, state.model, ids, body.top_k)
     decode = state.tokenizer.decode
@@ -91,7 +91,7 @@ async def lens(body: LensRequest, request: Request) -> Response:
                          "tokens": [decode([t]) for t in ids], "layers": layers})
 
 
-async def token_ids(state: ServiceState, body: InspectRequest) -> list[int]:
+async def token_ids(state: SharedState, body: InspectRequest) -> list[int]:
     ids = body.token_ids if body.token_ids is not None else await run_in_threadpool(state.tokenizer.encode, body.text)
     limit = min(state.settings.inspect_max_tokens, state.model.config.n_positions)
     if not ids:
@@ -104,7 +104,7 @@ async def token_ids(state: ServiceState, body: InspectRequest) -> list[int]:
     return ids
 
 
-async def gated(request: Request, state: ServiceState, fn, *args):
+async def gated(request: Request, state: SharedState, fn, *args):
     """Run fn in a worker thread under the analyses' shared concurrency gate (429 when full)."""
     settings = state.settings
     gate = analysis_gate(request, settings.analysis_max_concurrent)

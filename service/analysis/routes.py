@@ -26,9 +26,9 @@ from model.analysis import check_layers
 from service.analysis.figure import SVG_MEDIA_TYPE, FigureUnavailable, check_available, render_svg
 from service.analysis.report import Subject, check_request, combined, encode, reports
 from service.analysis.startup import compare_subject
-from service.http.errors import overloaded_error, validation_error
-from service.http.schemas import Text
-from service.http.state import service_state
+from service.common.errors import overloaded_error, validation_error
+from service.common.schemas import Text
+from service.common.state import shared_state
 
 router = APIRouter(tags=["Analysis"])
 
@@ -87,7 +87,7 @@ async def _spectrum(
     format: str,
     compare: bool | None,
 ) -> Response:
-    state = service_state(request)
+    state = shared_state(request)
     settings = state.settings
     count = len(texts if texts is not None else token_ids)
     if count > settings.analysis_max_texts:

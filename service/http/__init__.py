@@ -1,3 +1,3 @@
 """The HTTP side: the server, middlewares, routes and schemas, admission, the engine client,
-detokenization and stop strings, metrics. Talks to the engine core (service/engine/) only
+detokenization and stop strings. Talks to the engine core (service/engine/) only
 through service/http/client.py."""

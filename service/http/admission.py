@@ -10,7 +10,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from service.http.errors import validation_error
+from service.common.errors import validation_error
 from service.engine.types import MAX_BAD_WORD_TOKENS, GenerationRequest, SamplingParams
 from service.http.schemas import CompletionRequest, TGIParameters
 from service.settings import Settings

@@ -1,19 +1,16 @@
-"""The service's routes: TGI and OpenAI generation, the tokenizer and the spectral analysis (own
-modules), plus health, info and metrics here."""
+"""Health, info and metrics. The other routes have their own modules (service/http/routes_*.py,
+service/analysis/); service/app.py mounts them all."""
 
 from __future__ import annotations
 
 from importlib.metadata import PackageNotFoundError, version
 
-from fastapi import APIRouter, FastAPI, Request
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from model.linear import QUANTIZE_METHODS
-from service.http import routes_openai, routes_tgi, routes_tokenizer
-from service.analysis import inspection
-from service.analysis import routes as analysis_routes
-from service.http.errors import error_response
+from service.common.errors import error_response
 from service.http.schemas import Info
 from service.http.state import service_state
 
@@ -86,12 +83,3 @@ async def info(request: Request) -> dict:
 @router.get("/metrics", summary="Prometheus metrics", response_class=Response)
 async def metrics(request: Request) -> Response:
     return Response(service_state(request).metrics.expose(), media_type=CONTENT_TYPE_LATEST)
-
-
-def include_routes(app: FastAPI) -> list[str]:
-    """Mount every router; returns the route paths (the metrics' endpoint label values)."""
-    routers = [router, routes_tgi.router, routes_openai.router, routes_tokenizer.router, analysis_routes.router,
-               inspection.router]
-    for each in routers:
-        app.include_router(each)
-    return [route.path for each in routers for route in each.routes]

@@ -7,7 +7,7 @@ import hmac
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from service.http.errors import error_response
+from service.common.errors import error_response
 
 # Load balancers and Prometheus cannot be given a secret everywhere; these reveal nothing.
 OPEN_PATHS = frozenset({"/health", "/metrics"})

@@ -11,7 +11,7 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from service.http.errors import error_response
+from service.common.errors import error_response
 
 
 def too_large_message(max_bytes: int) -> str:

@@ -1,4 +1,4 @@
-"""After SIGTERM: new requests are answered 503 (the README's promise) while in-flight ones finish.
+"""After SIGTERM: new requests are answered 503 (docs/api.md's promise) while in-flight ones finish.
 
 The server (service/http/server.py) keeps listening during the drain and calls `Drain.begin`;
 this middleware answers every request that arrives afterwards. /metrics still answers, so the
@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from service.http.errors import error_response
+from service.common.errors import error_response
 
 STILL_SERVED = frozenset({"/metrics"})
 

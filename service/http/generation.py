@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from starlette.requests import Request
 
 from service.http.client import EngineClient
-from service.http.errors import ApiError, overloaded_error, validation_error
-from service.http.metrics import Metrics, set_outcome
+from service.common.errors import ApiError, overloaded_error, validation_error
+from service.common.metrics import Metrics, set_outcome
 from service.engine.types import (
     EngineStopped,
     FinishedRequest,

@@ -14,7 +14,7 @@ from starlette.datastructures import Headers
 from starlette.middleware.trustedhost import TrustedHostMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from service.http.errors import error_response
+from service.common.errors import error_response
 
 # Names a browser on this machine uses for a server bound to loopback.
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "[::1]")

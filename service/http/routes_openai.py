@@ -23,9 +23,9 @@ from service.http.admission import (
     prompts_from_ids,
     tokenize_texts,
 )
-from service.http.errors import ApiError, error_body, validation_error
+from service.common.errors import ApiError, error_body, validation_error
 from service.http.generation import CallStreams
-from service.http.metrics import set_outcome
+from service.common.metrics import set_outcome
 from service.engine.types import FinishedRequest, FinishedSequence, GenerationRequest, TokenEvent
 from service.http.routes_tgi import CLIENT_GONE, ERRORS
 from service.http.scoring import completion_logprobs, vllm_prompt_logprobs

@@ -14,9 +14,9 @@ from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
 from service.http.admission import Prompt, check_count, check_lengths, generation_requests, tgi_sampling, tokenize_texts
-from service.http.errors import ApiError, error_body, validation_error
+from service.common.errors import ApiError, error_body, validation_error
 from service.http.generation import CallStreams
-from service.http.metrics import set_outcome
+from service.common.metrics import set_outcome
 from service.engine.types import FinishedRequest, FinishedSequence, GenerationRequest, TokenEvent
 from service.http.scoring import tgi_top_tokens
 from service.http.schemas import GenerateResponse, TGIParameters, TGIRequest

@@ -19,7 +19,7 @@ from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 
-from service.http.errors import validation_error
+from service.common.errors import validation_error
 from service.http.schemas import MAX_TEXT_CHARS, SimpleToken, Text, TokenizeRequest
 from service.http.state import ServiceState, service_state
 from weights.tokenizer import EOS_TEXT

@@ -6,10 +6,11 @@ prompt's token count are checked at admission (service/http/admission.py), where
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from service.common.schemas import Text
 from service.engine.types import MAX_BAD_WORDS
 
 # Static ceilings: generous, only there so no field is unbounded. The configured limits
@@ -25,21 +26,6 @@ MAX_STOP_CHARS = 4096
 MIN_TEMPERATURE = 1e-6
 MAX_NGRAM = 32  # no_repeat_ngram_size
 MAX_TOP_LOGPROBS = 5  # alternatives per token: OpenAI's logprobs limit, TGI's max_top_n_tokens default
-
-
-def _valid_unicode(text: str) -> str:
-    """JSON may carry a lone surrogate ("\ud800"): a str to Python, not text to the tokenizer."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise ValueError(
-            f"text is not valid Unicode: lone surrogate U+{ord(text[exc.start]):04X} at character {exc.start}"
-        ) from None
-    return text
-
-
-# Every text a request carries (prompts, stop strings, texts to analyse) is this type.
-Text = Annotated[str, AfterValidator(_valid_unicode)]
 
 
 def check_temperature(value: float | None, greedy_zero: bool) -> float | None:

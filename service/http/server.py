@@ -16,6 +16,10 @@ connections use up the file descriptors. Here:
 On SIGTERM uvicorn closes its listening socket at once (clients see "connection refused"); here
 it keeps listening while in-flight requests finish (up to `drain_seconds`), and DrainMiddleware
 answers new requests 503. Then uvicorn's own shutdown runs with what is left of the drain time.
+
+Both read uvicorn's internals (the protocol's connections, cycle and h11 connection; the server's
+connection set): pyproject.toml pins uvicorn to a tested range, and
+tests/reliability/test_uvicorn_internals.py names what moved if a new uvicorn changes them.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from service.http.drain import Drain
 from service.http.logs import log_config
-from service.http.errors import error_body
+from service.common.errors import error_body
 from service.http.log_limit import limit_repeated_lines
 from service.settings import Settings
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from service.http.app import create_app
+from service.app import create_app
 from service.settings import Settings
 from tests.analysis.document_recipe import load_document_model, load_document_tokenizer
 from tests.analysis.post_ln_reference import load_post_ln_reference, write_post_ln_checkpoint

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from service.http.app import create_app
+from service.app import create_app
 from service.settings import Settings
 from tests.deploy.deploy_files import exported_series
 

@@ -1,4 +1,5 @@
-"""Static checks on imports: transformers is a test reference only; model/ stands alone."""
+"""Static checks on imports: transformers is a test reference only; model/ stands alone; the
+HTTP side and the analysis import each other not at all."""
 
 from __future__ import annotations
 
@@ -65,3 +66,59 @@ def test_engine_core_imports_nothing_of_the_http_side():
         if bad:
             offenders[str(path.relative_to(REPO))] = sorted(bad)
     assert not offenders, f"the engine core imports the HTTP side: {offenders}"
+
+
+def module_imports(path: Path, package: str) -> set[str]:
+    """Every module a file in `package` imports: relative imports resolved, and `from a import b`
+    counted as a and a.b too, since b may be a module (`from service import http`)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            parts = package.split(".")
+            base = parts[: len(parts) - node.level + 1] if node.level else []
+            module = ".".join([*base, *([node.module] if node.module else [])])
+            found.add(module)
+            found.update(f"{module}.{alias.name}" for alias in node.names)
+    return found
+
+
+# The app's assembly (service/app.py) sits above the HTTP side and the analysis, which import
+# each other not at all; what both need is in service/common/, which imports neither.
+ONE_WAY = {
+    "service/http": ("service.analysis", "service.app"),
+    "service/analysis": ("service.http", "service.app"),
+    "service/common": ("service.http", "service.analysis", "service.app"),
+}
+
+
+def reaches(module: str, forbidden: tuple[str, ...]) -> bool:
+    return any(module == each or module.startswith(each + ".") for each in forbidden)
+
+
+@pytest.mark.parametrize("folder", sorted(ONE_WAY))
+def test_import_arrows_between_the_http_side_and_the_analysis_run_one_way(folder):
+    files = sorted((REPO / folder).rglob("*.py"))
+    assert files, f"no Python files under {folder}/"
+    offenders = {}
+    for path in files:
+        package = ".".join(path.relative_to(REPO).parent.parts)
+        bad = sorted(m for m in module_imports(path, package) if reaches(m, ONE_WAY[folder]))
+        if bad:
+            offenders[str(path.relative_to(REPO))] = bad
+    assert not offenders, f"{folder}/ must not import {', '.join(ONE_WAY[folder])}: {offenders}"
+
+
+def test_arrow_scan_sees_every_spelling(tmp_path):
+    sample = tmp_path / "sample.py"
+    sample.write_text(
+        "import service.analysis.report\n"
+        "from service import http\n"
+        "def f():\n    from ..analysis import routes\n"
+        "from . import errors\n"
+    )
+    found = module_imports(sample, "service.common")
+    assert {"service.analysis.report", "service.http", "service.analysis.routes", "service.common.errors"} <= found
+    assert reaches("service.http", ONE_WAY["service/common"]) and not reaches("service.httpx", ONE_WAY["service/common"])

@@ -10,7 +10,7 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
-from service.http.app import create_app
+from service.app import create_app
 from service.settings import Settings
 from tests.conftest import TINY, write_tiny_model
 from tests.model.hf_reference import load_reference

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import TINY, assert_validation_error
 
@@ -75,3 +76,19 @@ def test_inspection_shares_the_analysis_gate(client):
         assert response.status_code == 429 and response.json()["error_type"] == "overloaded"
     finally:
         gate.release()
+
+
+def analysis_durations(client) -> float:
+    families = text_string_to_metric_families(client.get("/metrics").text)
+    return next(s.value for f in families for s in f.samples if s.name == "gpt2_analysis_duration_seconds_count")
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/analyze/attention", {"text": TEXT, "layers": [0]}),
+    ("/analyze/logit-lens", {"text": TEXT}),
+])
+def test_inspection_records_the_analysis_duration(client, path, body):
+    # gpt2_analysis_duration_seconds counts every /analyze/* request's work, not only /analyze/spectrum's.
+    before = analysis_durations(client)
+    assert client.post(path, json=body).status_code == 200
+    assert analysis_durations(client) == before + 1

@@ -6,7 +6,7 @@ import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
-from service.http.app import create_app
+from service.app import create_app
 from tests.conftest import TINY
 from tests.service.conftest import settings_for, sse_payloads
 

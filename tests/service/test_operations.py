@@ -10,7 +10,7 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from service.http.app import create_app
+from service.app import create_app
 from tests.service.conftest import settings_for
 from tests.service.live import live_server
 

@@ -11,7 +11,7 @@ from fastapi.testclient import TestClient
 from model.generate import greedy_generate_uncached
 from model.linear import Conv1D, Int8Weight, int8_problem
 from service.__main__ import main
-from service.http.app import create_app
+from service.app import create_app
 from tests.service.conftest import settings_for
 from tests.service.test_startup_errors import start
 from weights.checkpoint import load_model

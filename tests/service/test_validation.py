@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from fastapi.testclient import TestClient
 
-from service.http.app import create_app
+from service.app import create_app
 from tests.conftest import TINY
 from tests.conftest import assert_validation_error
 from tests.service.conftest import settings_for

@@ -1,5 +1,8 @@
 """Builds the FastAPI application: loads the model, starts the engine core, mounts the routes.
 
+The one module above both sides: it imports service/http/ and service/analysis/, which import
+each other not at all, only service/common/ below them (tests/model/test_layering.py).
+
 Request path: Framing (400: CL+TE) → HostAllowList (400, optional) → Drain (503 after SIGTERM)
 → BearerAuth (optional) → RequestMetrics → BodyLimit (413 before parsing)
 → route → schemas/admission (422) → Generations → EngineClient → (IPC) engine core process
@@ -18,17 +21,19 @@ from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
 from model.linear import int8_problem
+from service.analysis import inspection
+from service.analysis import routes as analysis_routes
 from service.analysis.startup import prepare_analysis
-from service.http.api import include_routes
+from service.http import api, routes_openai, routes_tgi, routes_tokenizer
 from service.http.auth import BearerAuthMiddleware
 from service.http.body_limit import BodyLimitMiddleware
 from service.http.client import EngineClient
 from service.engine.core import EngineConfig
 from service.engine.process import CoreProcessConfig
 from service.http.drain import Drain, DrainMiddleware
-from service.http.errors import install_error_handlers
+from service.common.errors import install_error_handlers
 from service.http.generation import Generations
-from service.http.metrics import RequestMetricsMiddleware
+from service.common.metrics import RequestMetricsMiddleware
 from service.http.request_guards import FramingMiddleware, HostAllowListMiddleware
 from service.http.request_context import HEADER, REQUEST_ID_OPTIONS
 from service.settings import Settings
@@ -89,6 +94,15 @@ def build_client(state: ServiceState) -> EngineClient:
         on_step=state.metrics.observe_step,
         max_in_flight=settings.max_batch_size + settings.max_waiting,
     )
+
+
+def include_routes(app: FastAPI) -> list[str]:
+    """Mount every router; returns the route paths (the metrics' endpoint label values)."""
+    routers = [api.router, routes_tgi.router, routes_openai.router, routes_tokenizer.router, analysis_routes.router,
+               inspection.router]
+    for each in routers:
+        app.include_router(each)
+    return [route.path for each in routers for route in each.routes]
 
 
 def create_app(settings: Settings) -> FastAPI:

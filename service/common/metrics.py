@@ -4,7 +4,7 @@ The names are a contract with the deployment (Grafana dashboard, HPA rule): chan
 A registry per app, not prometheus_client's global one, so tests can build several apps.
 
 Other modules record through a `Metrics` instance (`request.app.state.service.metrics`):
-    metrics.analysis_duration.observe(seconds)        # /analyze/spectrum, one per request
+    metrics.analysis_duration.observe(seconds)        # one per /analyze/* request, its analysis work
 Requests are counted by `RequestMetricsMiddleware` from the route and the response status;
 a handler refines the outcome with `set_outcome(request, "cancelled")`.
 """
@@ -92,7 +92,7 @@ class Metrics:
         )
         self.kv_cache_usage = Gauge("gpt2_kv_cache_usage_ratio", "Fraction of KV-cache slots in use", registry=r)
         self.analysis_duration = Histogram(
-            "gpt2_analysis_duration_seconds", "Time to analyse one /analyze/spectrum request", buckets=LATENCY_BUCKETS, registry=r
+            "gpt2_analysis_duration_seconds", "Time to run one /analyze/* request's analysis", buckets=LATENCY_BUCKETS, registry=r
         )
         self.model_info = Info("gpt2_model", "The model being served", registry=r)
 
