@@ -40,7 +40,7 @@ disabled = APIRouter(include_in_schema=False)
 
 
 def is_page_request(method: str, path: str) -> bool:
-    return method in ("GET", "HEAD") and (path == PAGE_PATH or path.startswith(ASSETS_PREFIX))
+    return method == "GET" and (path == PAGE_PATH or path.startswith(ASSETS_PREFIX))
 
 
 @router.get(PAGE_PATH)

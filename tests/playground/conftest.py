@@ -34,5 +34,7 @@ def browser():
 
 @pytest.fixture(scope="module")
 def server(playground_model_dir: Path, compare_model_dir: Path):
-    with live_server(playground_model_dir, compare_model_dir=compare_model_dir, max_batch_size=4) as running:
+    with live_server(
+        playground_model_dir, compare_model_dir=compare_model_dir, max_batch_size=4, max_new_tokens=1000
+    ) as running:
         yield running

@@ -178,6 +178,7 @@ function drawLens(answer) {
     for (const top of layer.top) {
       const cell = row.insertCell();
       cell.textContent = visible(top[0].text);
+      cell.dataset.id = top[0].id;
       cell.style.backgroundColor = probabilityColour(top[0].logprob);
       cell.title = top.map((t) => `${visible(t.text)} ${percent(t.logprob)}`).join("\n");
     }
