@@ -120,5 +120,5 @@ export function visible(text) {
 
 export function percent(logprob) {
   const p = 100 * Math.exp(logprob);
-  return p >= 10 ? `${p.toFixed(0)}%` : p >= 0.1 ? `${p.toFixed(1)}%` : `${p.toExponential(0)}%`;
+  return p >= 10 ? `${p.toFixed(0)}%` : `${p.toPrecision(2)}%`;
 }

@@ -35,10 +35,10 @@ function showInfo(info) {
 
 async function start() {
   try {
-    const info = await getJson("/info");
+    const [info, openapi] = await Promise.all([getJson("/info"), getJson("/openapi.json")]);
     showInfo(info);
     setModel(info.config);
-    showBounds(await getJson("/openapi.json"), info);
+    showBounds(openapi, info);
     $("key-form").hidden = true;
     document.body.dataset.ready = "true";
   } catch (error) {

@@ -25,9 +25,12 @@ function concrete(schema) {
   return options.find((option) => option.type !== "null") || schema;
 }
 
+// Past 2^53 a JSON number is not exact in JavaScript (a seed's 2^64 - 1): said as an approximation.
+const exact = (n) => (n === undefined || Math.abs(n) <= Number.MAX_SAFE_INTEGER ? n : `\u2248${n.toExponential(3)}`);
+
 function describeBounds(s) {
-  const low = s.exclusiveMinimum ?? s.minimum;
-  const high = s.exclusiveMaximum ?? s.maximum;
+  const low = exact(s.exclusiveMinimum ?? s.minimum);
+  const high = exact(s.exclusiveMaximum ?? s.maximum);
   const parts = [];
   if (low !== undefined) parts.push(`${low} ${s.exclusiveMinimum !== undefined ? "<" : "\u2264"}`);
   parts.push("x");
