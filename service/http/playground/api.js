@@ -13,7 +13,8 @@ export class ApiError extends Error {
 
   describe() {
     const retry = this.retryAfter ? ` (retry after ${this.retryAfter} s)` : "";
-    return `${this.status} ${this.errorType}: ${this.message}${retry}`;
+    const status = this.status ? `${this.status} ` : ""; // none for an error event inside a stream
+    return `${status}${this.errorType}: ${this.message}${retry}`;
   }
 }
 

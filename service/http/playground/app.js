@@ -35,10 +35,13 @@ function showInfo(info) {
 
 async function start() {
   try {
-    const [info, openapi] = await Promise.all([getJson("/info"), getJson("/openapi.json")]);
+    // Both asked for at once; the model is shown before the schema (built on its first request) arrives.
+    const openapi = getJson("/openapi.json");
+    openapi.catch(() => {}); // its failure is reported below, once
+    const info = await getJson("/info");
     showInfo(info);
     setModel(info.config);
-    showBounds(openapi, info);
+    showBounds(await openapi, info);
     $("key-form").hidden = true;
     document.body.dataset.ready = "true";
   } catch (error) {

@@ -111,13 +111,20 @@ export async function generate() {
       generated = answer.generated_text;
       status.textContent = finished(answer.details, started);
     } else {
+      let ended = false;
       for await (const event of events("/generate_stream", { inputs: prompt, parameters }, controller.signal)) {
-        if (event.error !== undefined) throw new ApiError(200, event.error_type, event.error);
+        // The 200 was already sent: a failure after it comes as an event of the stream.
+        if (event.error !== undefined) throw new ApiError(null, event.error_type, event.error);
         addToken(event);
         if (event.generated_text !== null) {
+          ended = true;
           generated = event.generated_text;
           status.textContent = finished(event.details, started);
         }
+      }
+      if (!ended) {
+        generated = tokens.map((t) => t.text).join("");
+        status.textContent = `the stream ended without its last event, after ${tokens.length} tokens`;
       }
     }
     lastText = prompt + generated;

@@ -52,7 +52,8 @@ export function drawSpectrum(report) {
   const values = [...norms.map((n) => n.max), ...bounds.flatMap((name) => report.layers.map((l) => boundValue(l, name)))];
   if (compare) values.push(...series(compare).map((n) => n.max));
   const yMax = Math.max(...values) * 1.05;
-  const x = (layer) => left + (layers.length > 1 ? (layer - layers[0]) / (layers[layers.length - 1] - layers[0]) : 0.5) * (width - left - right);
+  const lastLayer = Math.max(...layers, ...(compare ? compare.layers.map((layer) => layer.layer) : []));
+  const x = (layer) => left + (lastLayer > 0 ? layer / lastLayer : 0.5) * (width - left - right);
   const y = (value) => top + (1 - value / yMax) * (height - top - bottom);
   chart.replaceChildren();
   svg("title", { id: "spectrum-summary" }, chart).textContent =
@@ -60,10 +61,10 @@ export function drawSpectrum(report) {
   // axes and ticks
   svg("line", { class: "axis", x1: left, x2: width - right, y1: y(0), y2: y(0) }, chart);
   svg("line", { class: "axis", x1: left, x2: left, y1: top, y2: y(0) }, chart);
-  const step = Math.max(1, Math.ceil(layers.length / 12));
-  layers.forEach((layer, i) => {
-    if (i % step === 0) svg("text", { x: x(layer), y: height - bottom + 14, "text-anchor": "middle" }, chart).textContent = layer;
-  });
+  const step = Math.max(1, Math.ceil((lastLayer + 1) / 12));
+  for (let layer = 0; layer <= lastLayer; layer += step) {
+    svg("text", { x: x(layer), y: height - bottom + 14, "text-anchor": "middle" }, chart).textContent = layer;
+  }
   svg("text", { x: (left + width - right) / 2, y: height - 4, "text-anchor": "middle" }, chart).textContent = "layer";
   for (let k = 0; k <= 4; k++) {
     const value = (yMax * k) / 4;
