@@ -11,6 +11,7 @@ from pathlib import Path
 
 from selenium.webdriver import ActionChains
 from selenium.webdriver.common.by import By
+from selenium.webdriver.common.keys import Keys
 from selenium.webdriver.support.ui import Select, WebDriverWait
 
 from tests.conftest import DEFAULT_MODEL_DIR
@@ -51,7 +52,9 @@ def take(model_dir: Path, out: Path) -> None:
         wait.until(lambda d: d.find_element(By.ID, "inspect-status").text.endswith("tokens inspected"))
         Select(driver.find_element(By.ID, "attention-layer")).select_by_value("5")
         Select(driver.find_element(By.ID, "attention-head")).select_by_value("1")
-        wait.until(lambda d: "layer 5, head 1" in d.find_element(By.ID, "attention").get_attribute("aria-label"))
+        heatmap = driver.find_element(By.ID, "attention")
+        wait.until(lambda d: "layer 5, head 1" in heatmap.get_attribute("aria-label"))
+        heatmap.send_keys(*[Keys.ARROW_DOWN] * 9, *[Keys.ARROW_RIGHT] * 4)  # a cell, as a keyboard user reaches it
         driver.set_window_size(1200, driver.execute_script("return document.documentElement.scrollHeight;") + 120)
         driver.save_screenshot(str(out / "playground-inspect.png"))
     print("written:", out / "playground-generate.png", out / "playground-inspect.png")

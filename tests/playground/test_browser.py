@@ -206,6 +206,11 @@ def test_inspect_views_render_for_a_30_token_text(browser, server, tokenizer) ->
         brightest = max(range(q + 1), key=lambda k: luminance(cell[q][k]))
         assert matrix[q][brightest] == pytest.approx(max(matrix[q][: q + 1]), abs=0.02)
 
+    # The arrow keys move the readout over the cells.
+    canvas.send_keys(Keys.ARROW_DOWN, Keys.ARROW_DOWN, Keys.ARROW_RIGHT)
+    readout = browser.find_element(By.ID, "attention-readout").text
+    assert readout.startswith("query 2 ") and "key 1 " in readout and readout.endswith(f"{matrix[2][1]:.4f}")
+
     # The logit lens: a row per layer (and the embeddings), a column per token, the API's top tokens.
     lens = httpx.post(server.url + "/analyze/logit-lens", json={"text": text, "top_k": 3}, timeout=60).json()
     rows = browser.find_elements(By.CSS_SELECTOR, "#lens tbody tr")

@@ -140,6 +140,12 @@ function readout() {
   const { row, col } = cursor;
   if (row >= matrix.length || col >= matrix.length) return;
   const tokens = current.tokens;
+  const marker = $("attention-cursor"); // where the readout points, in percent of the heatmap
+  Object.assign(marker.style, {
+    left: `${(100 * col) / matrix.length}%`, top: `${(100 * row) / matrix.length}%`,
+    width: `${100 / matrix.length}%`, height: `${100 / matrix.length}%`,
+  });
+  marker.hidden = false;
   $("attention-readout").textContent =
     `query ${row} ${visible(tokens[row])} \u2192 key ${col} ${visible(tokens[col])}: ${matrix[row][col].toFixed(4)}`;
 }
