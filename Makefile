@@ -46,13 +46,16 @@ ln-experiment: weights
 	    --name "Pre-LN, 12 layers (trained)" --name "Post-LN, 12 layers (trained)" \
 	    --texts $(LN_RUNS)/heldout_texts.json --svg docs/figures/ln-trained-compare.svg --json $(LN_RUNS)/compare.json
 
-# Debian's prometheus (server + promtool) and haproxy: the metrics and deployment tests run the real thing.
+# Debian's prometheus (server + promtool) and haproxy: the metrics and deployment tests run the real thing;
+# chromium and chromium-driver: the playground tests drive the page in a real (headless) browser.
+SYSTEM_PACKAGES := prometheus haproxy chromium chromium-driver
 system-deps:
-	@if ! command -v prometheus >/dev/null || ! command -v promtool >/dev/null || ! command -v haproxy >/dev/null; then \
+	@if ! command -v prometheus >/dev/null || ! command -v promtool >/dev/null || ! command -v haproxy >/dev/null \
+	    || ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; then \
 	  if [ "$$(id -u)" = 0 ]; then \
-	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus haproxy >/dev/null) \
-	      || echo "warning: could not install Debian's prometheus/haproxy; their tests will be skipped"; \
-	  else echo "warning: not root, cannot apt-get install prometheus haproxy; their tests will be skipped"; fi; \
+	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $(SYSTEM_PACKAGES) >/dev/null) \
+	      || echo "warning: could not install Debian's $(SYSTEM_PACKAGES); their tests will be skipped"; \
+	  else echo "warning: not root, cannot apt-get install $(SYSTEM_PACKAGES); their tests will be skipped"; fi; \
 	fi
 
 test: weights system-deps

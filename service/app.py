@@ -25,6 +25,7 @@ from service.analysis import inspection
 from service.analysis import routes as analysis_routes
 from service.analysis.startup import prepare_analysis
 from service.http import api, routes_openai, routes_tgi, routes_tokenizer
+from service.http import routes_playground
 from service.http.auth import BearerAuthMiddleware
 from service.http.body_limit import BodyLimitMiddleware
 from service.http.client import EngineClient
@@ -131,6 +132,7 @@ def create_app(settings: Settings) -> FastAPI:
     prepare_analysis(app, settings, state.model)
     install_error_handlers(app)
     state.metrics.declare_endpoints(include_routes(app))
+    app.include_router(routes_playground.router if settings.playground else routes_playground.disabled)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     app.add_middleware(RequestMetricsMiddleware, metrics=state.metrics)
     if settings.api_key is not None:

@@ -93,6 +93,9 @@ class Settings(BaseSettings):
         "", max_length=4000, description="comma-separated origins browsers may call from ('*': any); empty: CORS off"
     )
     log_format: Literal["text", "json"] = Field("text", description="json: one JSON object per log line")
+    playground: bool = Field(
+        True, description="serve the playground page at GET / (--no-playground: the API alone, GET / is 404)"
+    )
 
     # --- /analyze/spectrum --------------------------------------------------------------------
     analysis_max_texts: int = Field(8, ge=1, le=256, description="texts per analysis request")

@@ -186,4 +186,6 @@ def _route_path(scope: Scope) -> str | None:
     # The route template, never the raw path: unmatched paths (404 probes) would make the label
     # set unbounded.
     route = scope.get("route")
+    if not getattr(route, "include_in_schema", True):
+        return None  # outside the API (the playground page and its assets): not counted
     return getattr(route, "path", None)

@@ -1,4 +1,4 @@
-"""Optional bearer-token auth: every route but the probes and the metrics scrape needs the key."""
+"""Optional bearer-token auth: every route but the probes, the metrics scrape and the playground page needs the key."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from service.common.errors import error_response
+from service.http.routes_playground import is_page_request
 
 # Load balancers and Prometheus cannot be given a secret everywhere; these reveal nothing.
 OPEN_PATHS = frozenset({"/health", "/metrics"})
@@ -19,7 +20,8 @@ class BearerAuthMiddleware:
         self.expected = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+        # The playground page holds no data, and a browser must load it before it can ask for the key.
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS or is_page_request(scope["method"], scope["path"]):
             await self.app(scope, receive, send)
             return
         # RFC 9110 §11.1: the scheme name is case-insensitive ("bearer" is "Bearer").
