@@ -151,19 +151,28 @@ async def stream_ids(http: httpx.AsyncClient, url: str, body: dict, stats: Clien
     return ids
 
 
-def prefill_rate(server: Server, tokenizer: GPT2Tokenizer, tokens: int, repetitions: int) -> float:
-    """tokens / TTFT of one `tokens`-long prompt, the median over repetitions after one unmeasured;
-    each prompt is new (random words), so the prefix cache holds at most its first token or two."""
+def prefill_rate(server: Server, texts: list[str], tokens: int) -> float:
+    """tokens / TTFT of one prompt of `tokens` tokens at a time, the median over texts[1:] (the
+    first is unmeasured); each prompt is new (random words), so the prefix cache holds at most
+    its first token or two."""
     rates = []
-    for seed in range(repetitions + 1):
-        generator = torch.Generator().manual_seed(1000 + seed)
-        text = " ".join(WORDS[i] for i in torch.randint(0, len(WORDS), (tokens,), generator=generator).tolist())
-        if len(tokenizer.encode(text)) != tokens:  # each of WORDS is one token, with or without its space
-            raise RuntimeError(f"the prefill prompt is not {tokens} tokens long")
+    for text in texts:
         stats = ClientStats()
         asyncio.run(one_stream(server.url, text, stats))
         rates.append(tokens / stats.ttft[0])
     return statistics.median(rates[1:])
+
+
+def long_prompts(tokenizer: GPT2Tokenizer, tokens: int, count: int) -> list[str]:
+    """Texts of exactly `tokens` tokens: random words, each with its leading space (" the" is
+    one token; a text's first word without one may not be)."""
+    texts = []
+    for seed in range(count):
+        generator = torch.Generator().manual_seed(1000 + seed)
+        texts.append("".join(" " + WORDS[i] for i in torch.randint(0, len(WORDS), (tokens,), generator=generator).tolist()))
+        if len(tokenizer.encode(texts[-1])) != tokens:
+            raise RuntimeError(f"a prefill prompt is not {tokens} tokens long")
+    return texts
 
 
 async def one_stream(url: str, text: str, stats: ClientStats) -> None:
@@ -273,6 +282,7 @@ def main() -> None:
     texts = prompt_texts(max(slots, 17), args.prompt_words)
     tokenizer = GPT2Tokenizer.from_dir(args.model_dir)
     prompts = [tokenizer.encode(t) for t in texts]
+    prefill_texts = long_prompts(tokenizer, llama_cpp_bench.PREFILL_TOKENS, args.llama_cpp_repetitions + 1)
     servers = {mode: Server(args, slots, mode) for mode in dict.fromkeys(args.quantize)}
     try:
         for server in servers.values():
@@ -282,7 +292,7 @@ def main() -> None:
         # Each client count on every server in turn: a change in the machine's load hits all alike.
         served = {(mode, c): serve_clients(server, texts, c, args.requests_per_client, args.new_tokens)
                   for c in args.clients for mode, server in servers.items()}
-        prefill = {mode: prefill_rate(server, tokenizer, llama_cpp_bench.PREFILL_TOKENS, args.llama_cpp_repetitions)
+        prefill = {mode: prefill_rate(server, prefill_texts, llama_cpp_bench.PREFILL_TOKENS)
                    for mode, server in servers.items()} if args.llama_cpp else {}
     finally:
         for server in servers.values():

@@ -109,3 +109,9 @@ def test_bench_serve_says_how_to_build_missing_tools(tmp_path, capsys):
     with pytest.raises(SystemExit):
         bench_serve.parse_args(["--llama-cpp", str(tmp_path)])
     assert "make llama-cpp" in capsys.readouterr().err
+
+
+def test_prefill_prompts_are_exactly_512_tokens_and_all_different(tokenizer):
+    texts = bench_serve.long_prompts(tokenizer, 512, 4)
+    assert [len(tokenizer.encode(text)) for text in texts] == [512] * 4
+    assert len(set(texts)) == 4  # no prompt finds another's keys in the prefix cache
