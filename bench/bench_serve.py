@@ -41,7 +41,7 @@ import torch
 
 from bench import llama_cpp_bench
 from bench.common import describe_machine, load_both
-from bench.llama_cpp import BUILD_ROOT
+from bench.llama_cpp import BUILD_ROOT, convert
 from model.config import DTYPES
 from model.linear import QUANTIZE_MODES
 from service.engine.types import GenerationRequest, SamplingParams
@@ -283,17 +283,31 @@ def main() -> None:
     tokenizer = GPT2Tokenizer.from_dir(args.model_dir)
     prompts = [tokenizer.encode(t) for t in texts]
     prefill_texts = long_prompts(tokenizer, llama_cpp_bench.PREFILL_TOKENS, args.llama_cpp_repetitions + 1)
+    llama_cpp, ggufs, beside = None, {}, []
+    if args.llama_cpp:
+        # The same thread count as our engine's; sequences with prompts as long as our clients'.
+        llama_cpp = llama_cpp_bench.LlamaCpp(args.llama_cpp, torch.get_num_threads(), args.new_tokens,
+                                             round(statistics.mean(len(p) for p in prompts[:slots])), args.llama_cpp_repetitions)
+        for mode in dict.fromkeys(args.quantize):
+            (ggufs[mode],) = convert(args.model_dir, args.gguf_dir, (llama_cpp_bench.GGUF_TYPE[mode, args.dtype],))
     servers = {mode: Server(args, slots, mode) for mode in dict.fromkeys(args.quantize)}
     try:
         for server in servers.values():
             server.wait_ready()
             # One short request first: the server's own first-request costs are not throughput.
             asyncio.run(drive_clients(server.url, texts, 1, 1, 4))
-        # Each client count on every server in turn: a change in the machine's load hits all alike.
-        served = {(mode, c): serve_clients(server, texts, c, args.requests_per_client, args.new_tokens)
-                  for c in args.clients for mode, server in servers.items()}
-        prefill = {mode: prefill_rate(server, prefill_texts, llama_cpp_bench.PREFILL_TOKENS)
-                   for mode, server in servers.items()} if args.llama_cpp else {}
+        # Each client count on every server in turn, llama.cpp's figure for it right after ours.
+        served = {}
+        for c in args.clients:
+            for mode, server in servers.items():
+                served[mode, c] = serve_clients(server, texts, c, args.requests_per_client, args.new_tokens)
+                if llama_cpp:
+                    beside.append(llama_cpp_row(args, mode, served[mode, c].tokens / served[mode, c].seconds,
+                                                *llama_cpp.clients(ggufs[mode], c)))
+        if llama_cpp:
+            for mode, server in servers.items():
+                ours = prefill_rate(server, prefill_texts, llama_cpp_bench.PREFILL_TOKENS)
+                beside.append(llama_cpp_row(args, mode, ours, *llama_cpp.prefill(ggufs[mode])))
     finally:
         for server in servers.values():
             server.stop()
@@ -320,27 +334,16 @@ def main() -> None:
         for c in args.clients:
             rate = {mode: served[mode, c].tokens / served[mode, c].seconds for mode in servers}
             print(f"{c:7d} " + " ".join(f"{rate[mode] / rate[first]:9.2f}x" for mode in others))
-    if args.llama_cpp:
-        beside_llama_cpp(args, served, prefill, prompts[:slots])
+    if llama_cpp:
+        print(f"\nbeside llama.cpp ({args.llama_cpp}, {llama_cpp.threads} thread(s); batched-bench prompts of "
+              f"{llama_cpp.prompt_tokens} tokens), each llama.cpp figure measured right after ours")
+        llama_cpp_bench.print_comparison(beside)
     print(f"\n{describe_machine()}")
 
 
-def beside_llama_cpp(args, served: dict[tuple[str, int], ClientStats], prefill: dict[str, float],
-                     prompts: list[list[int]]) -> None:
-    """llama.cpp's benchmarks on GGUFs of the same folder, at our thread count, and the ratios."""
-    threads = torch.get_num_threads()
-    prompt_tokens = round(statistics.mean(len(p) for p in prompts))
-    rows = []
-    for mode in dict.fromkeys(args.quantize):
-        gguf_type = llama_cpp_bench.GGUF_TYPE[mode, args.dtype]
-        theirs = llama_cpp_bench.measure(args.llama_cpp, args.model_dir, gguf_type, threads,
-                                         [c for c in args.clients if c > 1] or [1], prompt_tokens,
-                                         args.new_tokens, args.llama_cpp_repetitions, args.gguf_dir)
-        rates = {c: served[mode, c].tokens / served[mode, c].seconds for c in args.clients}
-        label = args.dtype if mode == "none" else mode
-        rows += llama_cpp_bench.comparison_rows(label, rates, prefill[mode], theirs)
-    print(f"\nbeside llama.cpp ({args.llama_cpp}, {threads} threads; batched-bench prompts of {prompt_tokens} tokens)")
-    llama_cpp_bench.print_comparison(rows)
+def llama_cpp_row(args, mode: str, ours: float, workload: str, theirs: float) -> tuple[str, str, float, float]:
+    precision = f"{args.dtype if mode == 'none' else mode} / {llama_cpp_bench.GGUF_TYPE[mode, args.dtype].upper()}"
+    return precision, workload, ours, theirs
 
 
 def report(args, served: dict[int, ClientStats], ours, reference, tokenizer, prompts, slots: int, max_len: int,

@@ -102,7 +102,7 @@ def convert(model_dir: Path, out_dir: Path, outtypes: tuple[str, ...] = GGUF_TYP
     already newer than the folder's weights)."""
     script = converter()
     out_dir.mkdir(parents=True, exist_ok=True)
-    newest_input = max(path.stat().st_mtime for path in model_dir.iterdir())
+    newest_input = max(path.stat().st_mtime for path in model_dir.iterdir() if path.is_file())
     written = []
     for outtype in outtypes:
         out = gguf_path(out_dir, model_dir, outtype)

@@ -12,10 +12,9 @@ import pytest
 from bench import bench_serve
 from bench.llama_cpp import cmake_commands
 from bench.llama_cpp_bench import (
+    LlamaCpp,
     LlamaCppError,
-    LlamaCppRates,
     batched_bench_command,
-    comparison_rows,
     llama_bench_command,
     parse_batched_bench,
     parse_llama_bench,
@@ -24,21 +23,14 @@ from bench.llama_cpp_bench import (
 SAMPLES = Path(__file__).parent / "samples"
 
 
-def test_llama_bench_json_gives_decode_and_prefill():
+def test_llama_bench_json_gives_each_tests_rate():
     stdout = (SAMPLES / "llama-bench.json").read_text()
-    tests = json.loads(stdout)
-    decode, prefill = parse_llama_bench(stdout, new_tokens=128)
-    assert decode == next(t["avg_ts"] for t in tests if t["n_gen"] == 128)
-    assert prefill == next(t["avg_ts"] for t in tests if t["n_prompt"] == 512)
-    assert prefill > decode  # a prompt's tokens run together, a generation's one at a time
-
-
-def test_llama_bench_without_the_asked_test_is_an_error():
-    stdout = (SAMPLES / "llama-bench.json").read_text()
-    with pytest.raises(LlamaCppError, match="tg64"):
-        parse_llama_bench(stdout, new_tokens=64)
+    rates = parse_llama_bench(stdout)
+    assert rates == {(t["n_prompt"], t["n_gen"]): t["avg_ts"] for t in json.loads(stdout)}
+    assert set(rates) == {(512, 0), (0, 128)}
+    assert rates[512, 0] > rates[0, 128]  # a prompt's tokens run together, a generation's one at a time
     with pytest.raises(LlamaCppError, match="no JSON"):
-        parse_llama_bench("error: failed to load model\n", new_tokens=128)
+        parse_llama_bench("error: failed to load model\n")
 
 
 def test_batched_bench_jsonl_rows():
@@ -51,12 +43,12 @@ def test_batched_bench_jsonl_rows():
 
 
 def test_commands_ask_for_what_the_table_compares():
-    bench = llama_bench_command(Path("bin"), Path("m.gguf"), threads=2, new_tokens=64, repetitions=3)
+    bench = llama_bench_command(Path("bin"), Path("m.gguf"), threads=2, prompt_tokens=0, new_tokens=64, repetitions=3)
     assert bench[0] == str(Path("bin") / "llama-bench")
-    assert bench[bench.index("-p") + 1] == "512" and bench[bench.index("-n") + 1] == "64"
+    assert bench[bench.index("-p") + 1] == "0" and bench[bench.index("-n") + 1] == "64"
     assert bench[bench.index("-t") + 1] == "2" and bench[bench.index("-o") + 1] == "json"
-    batched = batched_bench_command(Path("bin"), Path("m.gguf"), threads=2, parallel=[4, 32], prompt_tokens=16, new_tokens=128)
-    assert batched[batched.index("-npl") + 1] == "4,32"
+    batched = batched_bench_command(Path("bin"), Path("m.gguf"), threads=2, parallel=32, prompt_tokens=16, new_tokens=128)
+    assert batched[batched.index("-npl") + 1] == "32"
     # every sequence's prompt and generated tokens fit the cache
     assert int(batched[batched.index("-c") + 1]) >= 32 * (16 + 128)
 
@@ -68,15 +60,28 @@ def test_cmake_builds_the_two_tools_cpu_only_native():
     assert build[build.index("--target") + 1 :] == ["llama-bench", "llama-batched-bench"]
 
 
-def test_each_client_count_meets_its_llama_cpp_figure():
-    theirs = LlamaCppRates("q8_0", decode=160.0, prefill=700.0, batched={32: 350.0})
-    rows = comparison_rows("int8", {1: 80.0, 32: 700.0, 16: 500.0}, prefill=350.0, theirs=theirs)
-    by_workload = {workload: (ours, llama) for _, workload, ours, llama in rows}
-    assert by_workload["1 client (llama-bench tg)"] == (80.0, 160.0)
-    assert by_workload["32 clients (batched-bench S_TG)"] == (700.0, 350.0)
-    assert not any(w.startswith("16 clients") for w in by_workload)  # no llama.cpp figure at 16
-    assert [ours_llama for w, ours_llama in by_workload.items() if w.startswith("prefill")] == [(350.0, 700.0)]
-    assert {precision for precision, *_ in rows} == {"int8 / Q8_0"}
+@pytest.fixture
+def replaying_bin(tmp_path):
+    """llama.cpp's tools replaced by scripts that print the captured outputs and log their arguments."""
+    for tool, sample in (("llama-bench", "llama-bench.json"), ("llama-batched-bench", "llama-batched-bench.txt")):
+        script = tmp_path / tool
+        script.write_text(f'#!/bin/sh\necho "$@" >> {tmp_path / "calls"}\ncat {SAMPLES / sample}\n')
+        script.chmod(0o755)
+    return tmp_path
+
+
+def test_each_client_count_meets_its_llama_cpp_figure(replaying_bin):
+    llama_cpp = LlamaCpp(replaying_bin, threads=1, new_tokens=128, prompt_tokens=16, repetitions=2)
+    bench = parse_llama_bench((SAMPLES / "llama-bench.json").read_text())
+    batched = parse_batched_bench((SAMPLES / "llama-batched-bench.txt").read_text())
+    assert llama_cpp.clients(Path("m.gguf"), 1) == ("1 client (llama-bench tg128)", bench[0, 128])
+    assert llama_cpp.clients(Path("m.gguf"), 4) == ("4 clients (batched-bench S_TG)", batched[4])
+    assert llama_cpp.prefill(Path("m.gguf"))[1] == bench[512, 0]
+    calls = (replaying_bin / "calls").read_text().splitlines()
+    assert "-p 0 -n 128" in calls[0] and "-npl 4" in calls[1] and "-p 512 -n 0" in calls[2]
+    # A figure the tool did not print is an error, not a number from another test.
+    with pytest.raises(LlamaCppError, match="tg|n_gen"):
+        LlamaCpp(replaying_bin, threads=1, new_tokens=64, prompt_tokens=16, repetitions=2).clients(Path("m.gguf"), 1)
 
 
 @pytest.fixture
