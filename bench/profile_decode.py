@@ -112,10 +112,17 @@ def main() -> None:
         " per CPU second"
     )
     print(f"operators, totals over {args.steps} steps:")
-    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows))
+    averages = prof.key_averages()
+    print(averages.table(sort_by="self_cpu_time_total", row_limit=args.rows))
+    products = sum(event.self_cpu_time_total for event in averages if event.key in PRODUCT_OPS) / args.steps / 1e3
+    rest = sum(event.self_cpu_time_total for event in averages) / args.steps / 1e3 - products
+    print(f"profiled self CPU per step: products {products:.1f} ms, everything else {rest:.1f} ms")
 
 
+# The operators that run the matrix products (model/linear.py), whichever kernel serves.
+PRODUCT_OPS = {"mkldnn::_linear_pointwise", "aten::addmm", "aten::mm", "aten::linear", "quantized::linear_dynamic"}
 REPO = Path(__file__).resolve().parents[1]
+STEP_LINE_REST = re.compile(r"products ([\d.]+) ms, everything else ([\d.]+) ms")
 STEP_LINE = re.compile(r"([\d.]+) ms/step wall, ([\d.]+) ms CPU")
 
 
@@ -147,7 +154,7 @@ def compare(revision: str, rounds: int, argv: list[str]) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         trees = {revision: revision_tree(revision, Path(tmp)), "working tree": REPO}
         outputs: dict[str, str] = {}
-        steps: dict[str, list[tuple[float, float]]] = {name: [] for name in trees}
+        steps: dict[str, list[tuple[float, float, float, float]]] = {name: [] for name in trees}
         for _ in range(rounds):
             for name, tree in trees.items():
                 env = dict(os.environ, PYTHONPATH=str(tree))
@@ -155,14 +162,15 @@ def compare(revision: str, rounds: int, argv: list[str]) -> None:
                                         capture_output=True, text=True, check=True)
                 outputs[name] = result.stdout
                 wall, cpu = STEP_LINE.search(result.stdout).groups()
-                steps[name].append((float(wall), float(cpu)))
+                products, rest = STEP_LINE_REST.search(result.stdout).groups()
+                steps[name].append((float(wall), float(cpu), float(products), float(rest)))
     for name, output in outputs.items():
         print(f"=== {name} (last round) ===\n{output}")
     print(f"ms per step, median of {rounds} alternating rounds:")
-    for name, pairs in steps.items():
-        walls, cpus = zip(*pairs)
-        print(f"  {name:14s} {statistics.median(walls):7.2f} ms wall {statistics.median(cpus):7.2f} ms CPU"
-              f"   (rounds: {', '.join(f'{c:.1f}' for c in cpus)} ms CPU)")
+    for name, rounds_seen in steps.items():
+        walls, cpus, products, rest = (statistics.median(column) for column in zip(*rounds_seen))
+        print(f"  {name:14s} {walls:7.2f} ms wall {cpus:7.2f} ms CPU; profiled: products {products:6.2f} ms,"
+              f" everything else {rest:6.2f} ms   (CPU by round: {', '.join(f'{r[1]:.1f}' for r in rounds_seen)})")
 
 
 if __name__ == "__main__":
