@@ -17,7 +17,7 @@ endif
 # machine, `make test-cuda TORCH_CPU=torch==2.13.0+cu130` (or any CUDA build) installs that instead.
 TORCH_CPU ?= torch==2.13.0
 
-.PHONY: install system-deps weights serve test test-floors test-cuda reliability bench-serve ln-experiment clean
+.PHONY: install system-deps weights serve test test-floors test-cuda reliability bench-serve ln-experiment llama-cpp gguf bench-llama-cpp clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -88,6 +88,25 @@ test-cuda: weights
 # What clients get over HTTP, beside the engine called directly and transformers (bench/bench_serve.py).
 bench-serve: weights
 	$(PY) -m bench.bench_serve $(BENCH_ARGS)
+
+# llama.cpp beside us (docs/llama-cpp.md): its llama-bench and llama-batched-bench built from the
+# source the pinned llama-cpp-python sdist vendors (CPU, Release, -march=native) into build/llama.cpp,
+# GGUFs (f32, f16, q8_0) of MODEL_DIR converted into build/gguf by its own converter, and the served
+# benchmark run beside it. Never part of `make test`.
+LLAMA_CPP_DIR := build/llama.cpp
+llama-cpp: install
+	@if ! command -v cmake >/dev/null || ! command -v g++ >/dev/null; then \
+	  if [ "$$(id -u)" = 0 ]; then \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends cmake g++ make >/dev/null; \
+	  else echo "llama.cpp needs cmake and g++: install them (not root, cannot apt-get)"; exit 1; fi; \
+	fi
+	$(PY) -m bench.llama_cpp build --out $(LLAMA_CPP_DIR)
+
+gguf: install weights $(MODEL_DEPS)
+	$(PY) -m bench.llama_cpp convert --model-dir $(MODEL_DIR)
+
+bench-llama-cpp: llama-cpp gguf
+	$(PY) -m bench.bench_serve --model-dir $(MODEL_DIR) --quantize none int8 --no-reference --llama-cpp $(LLAMA_CPP_DIR)/bin $(BENCH_ARGS)
 
 # Runs the reliability tests (load, faults, fuzzing, hostile inputs) and rewrites RELIABILITY.md
 # from what they measured. RELIABILITY_SOAK=1 for the long soak.

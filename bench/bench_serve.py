@@ -4,6 +4,7 @@ transformers' generate(), on the same weights in the same run.
     .venv/bin/python -m bench.bench_serve                        # CPU: 1 and 32 clients, fp32
     .venv/bin/python -m bench.bench_serve --device cuda --dtype float16 --clients 1 16 64 256
     .venv/bin/python -m bench.bench_serve --quantize none int8 --clients 1 16 --no-reference   # side by side
+    .venv/bin/python -m bench.bench_serve --quantize none int8 --llama-cpp build/llama.cpp/bin  # docs/llama-cpp.md
 
 For each client count C it starts nothing new: one real server (`python -m service`, its engine
 core in its own process) serves every row. C concurrent clients each stream one
@@ -18,6 +19,9 @@ compare, and only within one run.
 With several --quantize modes, one server per mode runs side by side (each client count is served
 by each in turn), the engine reference runs on the same weights, and the last table gives each
 mode's served tok/s over the first's.
+With --llama-cpp, each server also times one 512-token prompt (512 / TTFT), and llama.cpp's
+llama-bench and llama-batched-bench then run on GGUFs of the same folder (bench/llama_cpp_bench.py
+says what each figure is); the last table gives ours / llama.cpp.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import statistics
 import subprocess
 import sys
 import time
@@ -34,7 +39,9 @@ from pathlib import Path
 import httpx
 import torch
 
+from bench import llama_cpp_bench
 from bench.common import describe_machine, load_both
+from bench.llama_cpp import BUILD_ROOT, convert
 from model.config import DTYPES
 from model.linear import QUANTIZE_MODES
 from service.engine.types import GenerationRequest, SamplingParams
@@ -144,6 +151,35 @@ async def stream_ids(http: httpx.AsyncClient, url: str, body: dict, stats: Clien
     return ids
 
 
+def prefill_rate(server: Server, texts: list[str], tokens: int) -> float:
+    """tokens / TTFT of one prompt of `tokens` tokens at a time, the median over texts[1:] (the
+    first is unmeasured); each prompt is new (random words), so the prefix cache holds at most
+    its first token or two."""
+    rates = []
+    for text in texts:
+        stats = ClientStats()
+        asyncio.run(one_stream(server.url, text, stats))
+        rates.append(tokens / stats.ttft[0])
+    return statistics.median(rates[1:])
+
+
+def long_prompts(tokenizer: GPT2Tokenizer, tokens: int, count: int) -> list[str]:
+    """Texts of exactly `tokens` tokens: random words, each with its leading space (" the" is
+    one token; a text's first word without one may not be)."""
+    texts = []
+    for seed in range(count):
+        generator = torch.Generator().manual_seed(1000 + seed)
+        texts.append("".join(" " + WORDS[i] for i in torch.randint(0, len(WORDS), (tokens,), generator=generator).tolist()))
+        if len(tokenizer.encode(texts[-1])) != tokens:
+            raise RuntimeError(f"a prefill prompt is not {tokens} tokens long")
+    return texts
+
+
+async def one_stream(url: str, text: str, stats: ClientStats) -> None:
+    async with httpx.AsyncClient(timeout=600) as http:
+        await stream_one(http, url, text, 1, stats)
+
+
 def serve_clients(server: Server, texts: list[str], clients: int, per_client: int, new_tokens: int) -> ClientStats:
     """drive_clients, with the CPU time of the HTTP process, the engine core and these clients."""
     pids = {"http": server.process.pid, "core": engine_core_pid(server.process.pid)}
@@ -204,7 +240,7 @@ def transformers_static(reference, prompts: list[list[int]], batch: int, total: 
     return done * new_tokens / (time.perf_counter() - start)
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model-dir", type=Path, default=Path("weights/gpt2"))
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
@@ -218,8 +254,22 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--no-reference", action="store_true", help="skip transformers")
     parser.add_argument("--quantize", nargs="+", choices=QUANTIZE_MODES, default=["none"],
                         help="the servers' --quantize; several: one server each, side by side")
-    args = parser.parse_args()
+    parser.add_argument("--llama-cpp", type=Path, default=None, metavar="BIN_DIR",
+                        help="llama.cpp's tools (make llama-cpp: build/llama.cpp/bin): run beside ours, on GGUFs of --model-dir")
+    parser.add_argument("--llama-cpp-repetitions", type=int, default=3, help="llama-bench -r; also our 512-token prompts")
+    parser.add_argument("--gguf-dir", type=Path, default=BUILD_ROOT / "gguf", help="where the GGUFs are converted to")
+    args = parser.parse_args(argv)
     args.clients = args.clients or ([1, 32] if args.device == "cpu" else [1, 16, 64, 256])
+    if args.llama_cpp:
+        if args.device != "cpu":
+            parser.error("--llama-cpp compares on the CPU only (it is built CPU only)")
+        missing = [(mode, args.dtype) for mode in args.quantize if (mode, args.dtype) not in llama_cpp_bench.GGUF_TYPE]
+        if missing:
+            parser.error(f"--llama-cpp has no GGUF type to set beside --quantize/--dtype {missing}; "
+                         f"it compares {sorted(llama_cpp_bench.GGUF_TYPE)}")
+        tools = [args.llama_cpp / tool for tool in ("llama-bench", "llama-batched-bench")]
+        if not all(tool.is_file() for tool in tools):
+            parser.error(f"--llama-cpp {args.llama_cpp}: no llama-bench and llama-batched-bench there (build them with `make llama-cpp`)")
     return args
 
 
@@ -232,15 +282,32 @@ def main() -> None:
     texts = prompt_texts(max(slots, 17), args.prompt_words)
     tokenizer = GPT2Tokenizer.from_dir(args.model_dir)
     prompts = [tokenizer.encode(t) for t in texts]
+    prefill_texts = long_prompts(tokenizer, llama_cpp_bench.PREFILL_TOKENS, args.llama_cpp_repetitions + 1)
+    llama_cpp, ggufs, beside = None, {}, []
+    if args.llama_cpp:
+        # The same thread count as our engine's; sequences with prompts as long as our clients'.
+        llama_cpp = llama_cpp_bench.LlamaCpp(args.llama_cpp, torch.get_num_threads(), args.new_tokens,
+                                             round(statistics.mean(len(p) for p in prompts[:slots])), args.llama_cpp_repetitions)
+        for mode in dict.fromkeys(args.quantize):
+            (ggufs[mode],) = convert(args.model_dir, args.gguf_dir, (llama_cpp_bench.GGUF_TYPE[mode, args.dtype],))
     servers = {mode: Server(args, slots, mode) for mode in dict.fromkeys(args.quantize)}
     try:
         for server in servers.values():
             server.wait_ready()
             # One short request first: the server's own first-request costs are not throughput.
             asyncio.run(drive_clients(server.url, texts, 1, 1, 4))
-        # Each client count on every server in turn: a change in the machine's load hits all alike.
-        served = {(mode, c): serve_clients(server, texts, c, args.requests_per_client, args.new_tokens)
-                  for c in args.clients for mode, server in servers.items()}
+        # Each client count on every server in turn, llama.cpp's figure for it right after ours.
+        served = {}
+        for c in args.clients:
+            for mode, server in servers.items():
+                served[mode, c] = serve_clients(server, texts, c, args.requests_per_client, args.new_tokens)
+                if llama_cpp:
+                    beside.append(llama_cpp_row(args, mode, served[mode, c].tokens / served[mode, c].seconds,
+                                                *llama_cpp.clients(ggufs[mode], c)))
+        if llama_cpp:
+            for mode, server in servers.items():
+                ours = prefill_rate(server, prefill_texts, llama_cpp_bench.PREFILL_TOKENS)
+                beside.append(llama_cpp_row(args, mode, ours, *llama_cpp.prefill(ggufs[mode])))
     finally:
         for server in servers.values():
             server.stop()
@@ -267,7 +334,16 @@ def main() -> None:
         for c in args.clients:
             rate = {mode: served[mode, c].tokens / served[mode, c].seconds for mode in servers}
             print(f"{c:7d} " + " ".join(f"{rate[mode] / rate[first]:9.2f}x" for mode in others))
+    if llama_cpp:
+        print(f"\nbeside llama.cpp ({args.llama_cpp}, {llama_cpp.threads} thread(s); batched-bench prompts of "
+              f"{llama_cpp.prompt_tokens} tokens), each llama.cpp figure measured right after ours")
+        llama_cpp_bench.print_comparison(beside)
     print(f"\n{describe_machine()}")
+
+
+def llama_cpp_row(args, mode: str, ours: float, workload: str, theirs: float) -> tuple[str, str, float, float]:
+    precision = f"{args.dtype if mode == 'none' else mode} / {llama_cpp_bench.GGUF_TYPE[mode, args.dtype].upper()}"
+    return precision, workload, ours, theirs
 
 
 def report(args, served: dict[int, ClientStats], ours, reference, tokenizer, prompts, slots: int, max_len: int,

@@ -6,11 +6,26 @@
 
 --engine profiles whole engine steps (scheduling, sampling, streaming included) instead of bare
 model forwards. Also prints the weight bytes a step reads and the bandwidth that implies.
+
+--against REV profiles the model/, service/ and weights/ of git revision REV beside the working
+tree's, in one run: each in its own process, alternating for --rounds rounds (so a change in the
+machine's load hits both alike), then the median ms per step of each and both operator tables.
+
+    .venv/bin/python -m bench.profile_decode --threads 1 --batch 1 --engine --against main
 """
 
 from __future__ import annotations
 
 import argparse
+import io
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
 import time
 from pathlib import Path
 
@@ -61,7 +76,13 @@ def main() -> None:
     parser.add_argument("--unpacked", action="store_true", help="PyTorch's default kernels")
     parser.add_argument("--engine", action="store_true")
     parser.add_argument("--rows", type=int, default=15, help="operators shown")
+    parser.add_argument("--against", metavar="REV", help="also profile git revision REV's code, side by side")
+    parser.add_argument("--rounds", type=int, default=3, help="with --against: alternations of the two")
     args = parser.parse_args()
+    if args.against:
+        own = ["--against", "--rounds", "--model-dir"]
+        compare(args.against, args.rounds, without(sys.argv[1:], own) + ["--model-dir", str(args.model_dir.resolve())])
+        return
     if args.threads:
         torch.set_num_threads(args.threads)
     model = load_model(args.model_dir, dtype=DTYPES[args.dtype])  # packed by load_model
@@ -91,7 +112,65 @@ def main() -> None:
         " per CPU second"
     )
     print(f"operators, totals over {args.steps} steps:")
-    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows))
+    averages = prof.key_averages()
+    print(averages.table(sort_by="self_cpu_time_total", row_limit=args.rows))
+    products = sum(event.self_cpu_time_total for event in averages if event.key in PRODUCT_OPS) / args.steps / 1e3
+    rest = sum(event.self_cpu_time_total for event in averages) / args.steps / 1e3 - products
+    print(f"profiled self CPU per step: products {products:.1f} ms, everything else {rest:.1f} ms")
+
+
+# The operators that run the matrix products (model/linear.py), whichever kernel serves.
+PRODUCT_OPS = {"mkldnn::_linear_pointwise", "aten::addmm", "aten::mm", "aten::linear", "quantized::linear_dynamic"}
+REPO = Path(__file__).resolve().parents[1]
+STEP_LINE_REST = re.compile(r"products ([\d.]+) ms, everything else ([\d.]+) ms")
+STEP_LINE = re.compile(r"([\d.]+) ms/step wall, ([\d.]+) ms CPU")
+
+
+def revision_tree(revision: str, into: Path) -> Path:
+    """model/, service/ and weights/ as they are at `revision`, with this bench/ beside them."""
+    archive = subprocess.run(["git", "-C", str(REPO), "archive", "--format=tar", revision, "model", "service", "weights"],
+                             check=True, capture_output=True).stdout
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        tar.extractall(into, filter="data")
+    shutil.copytree(REPO / "bench", into / "bench", ignore=shutil.ignore_patterns("__pycache__"))
+    return into
+
+
+def without(argv: list[str], options: list[str]) -> list[str]:
+    """argv less the given options and their values (`--opt value` or `--opt=value`)."""
+    kept, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in options:
+            skip = True
+        elif arg.split("=", 1)[0] not in options:
+            kept.append(arg)
+    return kept
+
+
+def compare(revision: str, rounds: int, argv: list[str]) -> None:
+    """This script's profile of REV's code and of the working tree's, alternating, each in a process."""
+    with tempfile.TemporaryDirectory() as tmp:
+        trees = {revision: revision_tree(revision, Path(tmp)), "working tree": REPO}
+        outputs: dict[str, str] = {}
+        steps: dict[str, list[tuple[float, float, float, float]]] = {name: [] for name in trees}
+        for _ in range(rounds):
+            for name, tree in trees.items():
+                env = dict(os.environ, PYTHONPATH=str(tree))
+                result = subprocess.run([sys.executable, "-m", "bench.profile_decode", *argv], cwd=tree, env=env,
+                                        capture_output=True, text=True, check=True)
+                outputs[name] = result.stdout
+                wall, cpu = STEP_LINE.search(result.stdout).groups()
+                products, rest = STEP_LINE_REST.search(result.stdout).groups()
+                steps[name].append((float(wall), float(cpu), float(products), float(rest)))
+    for name, output in outputs.items():
+        print(f"=== {name} (last round) ===\n{output}")
+    print(f"ms per step, median of {rounds} alternating rounds:")
+    for name, rounds_seen in steps.items():
+        walls, cpus, products, rest = (statistics.median(column) for column in zip(*rounds_seen))
+        print(f"  {name:14s} {walls:7.2f} ms wall {cpus:7.2f} ms CPU; profiled: products {products:6.2f} ms,"
+              f" everything else {rest:6.2f} ms   (CPU by round: {', '.join(f'{r[1]:.1f}' for r in rounds_seen)})")
 
 
 if __name__ == "__main__":

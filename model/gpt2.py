@@ -77,12 +77,10 @@ class CausalSelfAttention(nn.Module):
         if ctx.packing is not None:
             return self._forward_packed(x, ctx), None
         B, T, C = x.shape
-        q, k, v = self.c_attn(x).split(C, dim=2)  # 3 × [B, T, C]
-        q = q.view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # [B, H, T, d_h]
-        k = k.view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # [B, H, T, d_h]
-        v = v.view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # [B, H, T, d_h]
+        qkv = self.c_attn(x).view(B, T, 3, self.n_head, self.head_dim)  # [B, T, 3, H, d_h]
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # 3 × [B, H, T, d_h], views
         if ctx.cache is not None:
-            ctx.cache.write(self.layer_index, ctx.rows, ctx.positions, k, v)
+            ctx.cache.write(self.layer_index, ctx.rows, ctx.positions, qkv[:, :, 1:])
             k, v = ctx.cache.read(self.layer_index, ctx.rows, ctx.kv_length)  # [B, H, L, d_h]
 
         probs = None
@@ -107,8 +105,9 @@ class CausalSelfAttention(nn.Module):
         attention over their [B, T] layout."""
         packing, (_, N, C) = ctx.packing, x.shape
         H, d = self.n_head, self.head_dim
-        q, k, v = self.c_attn(x)[0].split(C, dim=1)  # 3 × [N, C]
-        ctx.cache.write_tokens(self.layer_index, packing.slots, packing.positions, k.view(N, H, d), v.view(N, H, d))
+        qkv = self.c_attn(x)[0].view(N, 3, H, d)  # [N, 3, H, d_h]
+        ctx.cache.write_tokens(self.layer_index, packing.slots, packing.positions, qkv[:, 1:])
+        q = qkv[:, 0].reshape(N, C)  # [N, C]
         keys, values = ctx.cache.read(self.layer_index, ctx.rows, ctx.kv_length)  # [B, H, L, d_h]
         B, T = packing.batch, packing.width
         laid_out = q.new_zeros(B * T, C)

@@ -26,7 +26,9 @@ class KVCache:
     """Keys and values for `max_slots` sequences of up to `max_len` tokens.
 
     Layout [n_layer, slot, n_head, position, head_dim]: one slot's keys for one layer form a
-    [n_head, position, head_dim] block, the shape scaled_dot_product_attention reads.
+    [n_head, position, head_dim] block, the shape scaled_dot_product_attention reads. Keys and
+    values are the two halves of one tensor `kv` [2, n_layer, ...], so a layer's new keys and
+    values are stored by one indexed copy, straight from the QKV projection's output.
     """
 
     def __init__(
@@ -41,9 +43,9 @@ class KVCache:
             raise ValueError(f"max_len must be in [1, {config.n_positions}], got {max_len}")
         if max_slots < 1:
             raise ValueError(f"max_slots must be at least 1, got {max_slots}")
-        shape = (config.n_layer, max_slots, config.n_head, max_len, config.head_dim)
-        self.keys = torch.zeros(shape, device=device, dtype=dtype)
-        self.values = torch.zeros(shape, device=device, dtype=dtype)
+        shape = (2, config.n_layer, max_slots, config.n_head, max_len, config.head_dim)
+        self.kv = torch.zeros(shape, device=device, dtype=dtype)
+        self.keys, self.values = self.kv.unbind(0)  # views: [n_layer, slot, n_head, position, head_dim]
         self.max_slots = max_slots
         self.max_len = max_len
         self.device = torch.device(device)
@@ -98,20 +100,14 @@ class KVCache:
         span = slice(slots[0], slots[-1] + 1) if slots and consecutive else None
         return SlotBatch(ids=ids, span=span)
 
-    def write(
-        self, layer: int, rows: SlotBatch, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-    ) -> None:
-        """Store k, v [B, H, T, d_h] at each row's slot and positions [B, T]."""
+    def write(self, layer: int, rows: SlotBatch, positions: torch.Tensor, kv: torch.Tensor) -> None:
+        """Store kv [B, T, 2, H, d_h] (keys, then values) at each row's slot and positions [B, T]."""
         slot_index = rows.ids[:, None].expand_as(positions)  # [B, T]
-        self.keys[layer][slot_index, :, positions] = k.transpose(1, 2)  # [B, T, H, d_h]
-        self.values[layer][slot_index, :, positions] = v.transpose(1, 2)
+        self.kv[:, layer][:, slot_index, :, positions] = kv
 
-    def write_tokens(
-        self, layer: int, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-    ) -> None:
-        """Store k, v [N, H, d_h] of N tokens at their slots [N] and positions [N]."""
-        self.keys[layer][slots, :, positions] = k
-        self.values[layer][slots, :, positions] = v
+    def write_tokens(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, kv: torch.Tensor) -> None:
+        """Store kv [N, 2, H, d_h] (keys, then values) of N tokens at their slots [N] and positions [N]."""
+        self.kv[:, layer][:, slots, :, positions] = kv
 
     def read(self, layer: int, rows: SlotBatch, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of the first `length` positions of each row: [B, H, length, d_h]."""
@@ -132,8 +128,7 @@ class KVCache:
         src_ids = torch.tensor(src, dtype=torch.long, device=self.device)
         dst_ids = torch.tensor(dst, dtype=torch.long, device=self.device)
         # Indexing on the right copies first, so a permutation among the same slots is safe.
-        self.keys[:, dst_ids, :, :length] = self.keys[:, src_ids, :, :length]
-        self.values[:, dst_ids, :, :length] = self.values[:, src_ids, :, :length]
+        self.kv[:, :, dst_ids, :, :length] = self.kv[:, :, src_ids, :, :length]
 
     def swap_slots(self, a: int, b: int, length: int) -> None:
         """Exchange the first `length` positions of two slots."""

@@ -20,7 +20,7 @@ gguf = pytest.importorskip("gguf", reason="the gguf package (test extra) is not 
 
 @pytest.fixture(scope="session")
 def converter():
-    from tests.weights.llama_cpp import SDIST, converter
+    from bench.llama_cpp import SDIST, converter
 
     try:
         return converter()
