@@ -4,6 +4,7 @@ transformers' generate(), on the same weights in the same run.
     .venv/bin/python -m bench.bench_serve                        # CPU: 1 and 32 clients, fp32
     .venv/bin/python -m bench.bench_serve --device cuda --dtype float16 --clients 1 16 64 256
     .venv/bin/python -m bench.bench_serve --quantize none int8 --clients 1 16 --no-reference   # side by side
+    .venv/bin/python -m bench.bench_serve --api-servers 1 2 --clients 32 --no-reference        # HTTP processes
 
 For each client count C it starts nothing new: one real server (`python -m service`, its engine
 core in its own process) serves every row. C concurrent clients each stream one
@@ -17,7 +18,8 @@ served / engine and served / transformers ratios. Rerun on an idle machine: rati
 compare, and only within one run.
 With several --quantize modes, one server per mode runs side by side (each client count is served
 by each in turn), the engine reference runs on the same weights, and the last table gives each
-mode's served tok/s over the first's.
+mode's served tok/s over the first's. Several --api-servers counts work the same way (one server
+per count and mode); the CPU split's `http` column then sums the server's HTTP processes.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from model.config import DTYPES
 from model.linear import QUANTIZE_MODES
 from service.engine.types import GenerationRequest, SamplingParams
 from service.inprocess import Engine, EngineConfig
-from tests.processes import STARTUP_TIMEOUT_S, clean_env, cpu_seconds, engine_core_pid, free_port
+from tests.processes import STARTUP_TIMEOUT_S, api_server_pids, clean_env, cpu_seconds, engine_core_pid, free_port
 from weights.checkpoint import load_model
 from weights.tokenizer import GPT2Tokenizer
 
@@ -79,8 +81,9 @@ def percentile(values: list[float], q: float) -> float:
 
 # --- the server ---------------------------------------------------------------------------------
 class Server:
-    def __init__(self, args: argparse.Namespace, slots: int, quantize: str = "none") -> None:
+    def __init__(self, args: argparse.Namespace, slots: int, quantize: str = "none", api_servers: int = 1) -> None:
         self.port = free_port()
+        self.label = quantize if len(args.api_servers) == 1 else f"{quantize}, {api_servers} HTTP"
         command = [
             sys.executable, "-m", "service", "--model-dir", str(args.model_dir), "--port", str(self.port),
             "--device", args.device, "--dtype", args.dtype, "--max-batch-size", str(slots),
@@ -90,6 +93,8 @@ class Server:
             command += ["--threads", str(args.threads)]
         if quantize != "none":
             command += ["--quantize", quantize]
+        if api_servers != 1:
+            command += ["--api-servers", str(api_servers)]
         self.url = f"http://127.0.0.1:{self.port}"
         self.process = subprocess.Popen(command, env=clean_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
@@ -146,10 +151,16 @@ async def stream_ids(http: httpx.AsyncClient, url: str, body: dict, stats: Clien
 
 def serve_clients(server: Server, texts: list[str], clients: int, per_client: int, new_tokens: int) -> ClientStats:
     """drive_clients, with the CPU time of the HTTP process, the engine core and these clients."""
-    pids = {"http": server.process.pid, "core": engine_core_pid(server.process.pid)}
-    before = {name: cpu_seconds(pid) for name, pid in pids.items()} | {"clients": time.process_time()}
+    # With --api-servers N the first process only supervises: the HTTP processes are its children.
+    http = [server.process.pid, *api_server_pids(server.process.pid)]
+    pids = {"http": http, "core": [engine_core_pid(server.process.pid)]}
+
+    def cpu_now() -> dict[str, float]:
+        return {name: sum(cpu_seconds(p) for p in group) for name, group in pids.items()} | {"clients": time.process_time()}
+
+    before = cpu_now()
     stats = asyncio.run(drive_clients(server.url, texts, clients, per_client, new_tokens))
-    after = {name: cpu_seconds(pid) for name, pid in pids.items()} | {"clients": time.process_time()}
+    after = cpu_now()
     stats.cpu = {name: after[name] - before[name] for name in before}
     return stats
 
@@ -218,6 +229,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--no-reference", action="store_true", help="skip transformers")
     parser.add_argument("--quantize", nargs="+", choices=QUANTIZE_MODES, default=["none"],
                         help="the servers' --quantize; several: one server each, side by side")
+    parser.add_argument("--api-servers", nargs="+", type=int, default=[1],
+                        help="the servers' --api-servers (HTTP processes); several: one server each, side by side")
     args = parser.parse_args()
     args.clients = args.clients or ([1, 32] if args.device == "cpu" else [1, 16, 64, 256])
     return args
@@ -232,15 +245,16 @@ def main() -> None:
     texts = prompt_texts(max(slots, 17), args.prompt_words)
     tokenizer = GPT2Tokenizer.from_dir(args.model_dir)
     prompts = [tokenizer.encode(t) for t in texts]
-    servers = {mode: Server(args, slots, mode) for mode in dict.fromkeys(args.quantize)}
+    servers = {(mode, n): Server(args, slots, mode, n) for mode in dict.fromkeys(args.quantize)
+               for n in dict.fromkeys(args.api_servers)}
     try:
         for server in servers.values():
             server.wait_ready()
             # One short request first: the server's own first-request costs are not throughput.
             asyncio.run(drive_clients(server.url, texts, 1, 1, 4))
         # Each client count on every server in turn: a change in the machine's load hits all alike.
-        served = {(mode, c): serve_clients(server, texts, c, args.requests_per_client, args.new_tokens)
-                  for c in args.clients for mode, server in servers.items()}
+        served = {(key, c): serve_clients(server, texts, c, args.requests_per_client, args.new_tokens)
+                  for c in args.clients for key, server in servers.items()}
     finally:
         for server in servers.values():
             server.stop()
@@ -253,20 +267,23 @@ def main() -> None:
     print(f"{args.model_dir}, {args.device} {args.dtype}, {args.new_tokens} new tokens per request, "
           f"{args.requests_per_client} request(s) per client\n")
     hf_rates: dict[int, float | None] = {}
-    for mode in servers:
-        model = ours
-        if mode != "none":
-            print(f"--quantize {mode}")
-            model = load_model(args.model_dir, device=args.device, dtype=dtype)
-            model.quantize(mode)
-        report(args, {c: served[mode, c] for c in args.clients}, model, reference, tokenizer, prompts, slots, max_len, hf_rates)
+    models = {"none": ours}
+    for (mode, n), server in servers.items():
+        if mode not in models:
+            models[mode] = load_model(args.model_dir, device=args.device, dtype=dtype)
+            models[mode].quantize(mode)
+        if len(servers) > 1:
+            print(f"--quantize {mode} --api-servers {n}")
+        report(args, {c: served[(mode, n), c] for c in args.clients}, models[mode], reference, tokenizer, prompts,
+               slots, max_len, hf_rates)
     if len(servers) > 1:
-        first, *others = servers
-        print(f"\nserved tok/s over --quantize {first}'s")
-        print(f"{'clients':>7s} " + " ".join(f"{mode:>10s}" for mode in others))
+        first, *others = servers.values()
+        print(f"\nserved tok/s over {first.label}'s")
+        print(f"{'clients':>7s} " + " ".join(f"{s.label:>14s}" for s in others))
         for c in args.clients:
-            rate = {mode: served[mode, c].tokens / served[mode, c].seconds for mode in servers}
-            print(f"{c:7d} " + " ".join(f"{rate[mode] / rate[first]:9.2f}x" for mode in others))
+            rate = {key: served[key, c].tokens / served[key, c].seconds for key in servers}
+            base = rate[next(iter(servers))]
+            print(f"{c:7d} " + " ".join(f"{rate[key] / base:13.2f}x" for key in list(servers)[1:]))
     print(f"\n{describe_machine()}")
 
 
