@@ -102,6 +102,14 @@ class Generations:
         """
         pending: dict[asyncio.Future, int] = {}
         try:
+            if len(batch.streams) == 1:
+                # One request (every TGI stream): wait on its queue itself, with no task per wake.
+                stream, ended = batch.streams[0], False
+                while not ended:
+                    items = [await stream.queue.get()] + drain_now(stream.queue)
+                    ended = any([self._take(stream, item) for item in items])
+                    yield [(0, items)]
+                return
             for index, stream in enumerate(batch.streams):
                 pending[asyncio.ensure_future(stream.queue.get())] = index
             while pending:
