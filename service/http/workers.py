@@ -17,11 +17,13 @@ does and tells the core to drain; the core exits when the last request is done. 
 killed by a signal (a crash, the OOM killer) is restarted, and the core cancels what its
 predecessor had asked for; one that exits with an error stops the whole server with its exit
 code (a start-up failure would only repeat). A dead core fails every process's requests at once
-(each watches the core's pid) and /health answers 503 everywhere.
+(each watches the core's pid) and /health answers 503 everywhere. If the supervisor itself dies
+(even by SIGKILL), the core exits (its parent is gone) and every HTTP process gets SIGTERM.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import multiprocessing
 import os
@@ -42,6 +44,7 @@ from service.settings import Settings
 
 log = logging.getLogger("gpt2.supervisor")
 POLL_S = 0.2
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 CORE_EXIT_GRACE_S = 15.0  # after the last HTTP process: the core's last messages and exit
 
 
@@ -75,6 +78,8 @@ class Supervisor:
         try:
             self.core = self._start_core()
             self.workers = [self._start_worker(i) for i in range(self.run_dir.api_servers)]
+            if self.stopping:  # a signal came while they were being started
+                self._stop()
             log.info("%d HTTP processes on %s:%d, engine core pid %d", len(self.workers), self.settings.host,
                      self.settings.port, self.core.pid)
             while not (self.stopping and all(w.poll() is not None for w in self.workers)):
@@ -103,7 +108,7 @@ class Supervisor:
 
     def _start_worker(self, index: int) -> subprocess.Popen:
         command = [sys.executable, "-m", "service.http.workers", str(self.run_dir.path), str(index), *self.argv]
-        return subprocess.Popen(command, env=self.env)
+        return subprocess.Popen(command, env=self.env, preexec_fn=_die_with(os.getpid()))
 
     def _watch(self) -> None:
         for index, worker in enumerate(self.workers):
@@ -135,9 +140,27 @@ class Supervisor:
             self.core.join()
 
 
+def _die_with(parent: int):
+    """For an HTTP process, before it runs: SIGTERM (a drain) when the supervisor dies, even by
+    SIGKILL, so none is left listening on the port without its core. Linux's PR_SET_PDEATHSIG."""
+
+    def arrange() -> None:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent:  # it died before the request took effect
+            os._exit(1)
+
+    return arrange
+
+
 def supervise(settings: Settings, argv: list[str]) -> int:
+    from weights.checkpoint import CheckpointError
+
     logging.basicConfig(level=logging.INFO, format="%(asctime)s supervisor %(levelname)s %(message)s")
-    return Supervisor(settings, argv).run()
+    try:
+        return Supervisor(settings, argv).run()
+    except (CheckpointError, FileNotFoundError, ValueError) as exc:
+        # As a lone server says it: one line, no traceback (the core's settings are checked here).
+        sys.exit(f"cannot start: {exc}")
 
 
 def worker_main(args: list[str]) -> None:

@@ -12,6 +12,7 @@ import json
 import os
 import signal
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -177,6 +178,21 @@ def test_a_killed_engine_core_fails_every_process_at_once(server):
     for pid in pinned:
         (conn,) = pinned_to_each(server)[pid]
         assert conn.get("/health")[0] == 503
+
+
+def test_a_killed_supervisor_leaves_no_http_process_behind(server):
+    """(Its core is gone already, killed above; a live core exits by itself when its parent dies.)"""
+    workers = api_server_pids(server.process.pid)
+    assert len(workers) == 2
+    server.process.kill()
+    wait_until(lambda: not any(_alive(pid) for pid in workers), WAIT_S, "the HTTP processes to exit")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 def test_sigterm_drains_every_process(long_model_dir):
