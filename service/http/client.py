@@ -96,6 +96,8 @@ class EngineClient:
         self._shared = SharedInFlight(link.run_dir, link.index) if link is not None else None
         self._core_fd: int | None = None  # readable when the core's process ends
         self._closed = False  # stop() was called: no new work
+        self._shutdown: Shutdown | None = None
+        self._shutdown_sent = False
         self._dead = False
 
     # --- life cycle ------------------------------------------------------------------------------
@@ -149,19 +151,30 @@ class EngineClient:
 
     def close(self, timeout: float | None = None, drain: bool = True) -> None:
         """Take no new work; the core lets running requests finish and cancels what is left after
-        `timeout` seconds, so their streams still end with a final event. Only the first call counts."""
+        `timeout` seconds, so their streams still end with a final event. Only the first call counts.
+        One of several HTTP processes drains the shared core only when the whole server stops;
+        stopped alone, it only takes no new work (the supervisor starts another)."""
         if self._closed:
             return
         self._closed = True
-        if self.running:
-            self._send(Shutdown(drain=drain, timeout=timeout))
+        self._shutdown = Shutdown(drain=drain, timeout=timeout)
+        self._shut_core_down()
+
+    def _shut_core_down(self) -> bool:
+        """Send the core its Shutdown, once, if this process may; True once it has been sent."""
+        if not self._shutdown_sent and self.running and (self.link is None or self.link.run_dir.stopping):
+            self._send(self._shutdown)
+            self._shutdown_sent = True
+        return self._shutdown_sent
 
     async def stop(self, timeout: float | None = None, drain: bool = True) -> None:
         """close(), then wait for the core's last results and its exit."""
         self.close(timeout, drain)
         if self._process is None and self._core_fd is None:
             return
-        if self.running and self._reader is not None:
+        # Asked again: a signal that reaches every process at once (Ctrl-C) can come before the
+        # supervisor has said that the whole server stops.
+        if self._shut_core_down() and self._reader is not None:
             # The reader ends on the core's CoreExit, after delivering its last results.
             grace = None if timeout is None else timeout + 10.0
             await asyncio.wait({self._reader}, timeout=grace)

@@ -28,6 +28,15 @@ class RunDir:
         return f"ipc://{self.path}/out-{index}"
 
     @property
+    def stopping_flag(self) -> Path:
+        return self.path / "stopping"
+
+    @property
+    def stopping(self) -> bool:
+        """The supervisor stops the whole server (not one HTTP process): the core drains too."""
+        return self.stopping_flag.exists()
+
+    @property
     def counts_file(self) -> Path:
         return self.path / "in-flight"
 

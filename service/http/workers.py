@@ -12,9 +12,10 @@ socket with SO_REUSEPORT: the kernel spreads new connections over the processes 
 
 Admission is global (a shared in-flight count, core_link.SharedInFlight) and metrics are one
 view (prometheus_client's multiprocess mode, service/http/metrics.py).
-Lifecycle: SIGTERM or SIGINT here is passed to every HTTP process, each drains as a lone server
-does and tells the core to drain; the core exits when the last request is done. An HTTP process
-killed by a signal (a crash, the OOM killer) is restarted, and the core cancels what its
+Lifecycle: SIGTERM here is passed to every HTTP process (SIGINT from a terminal reaches them all
+already); each drains as a lone server does and tells the core to drain; the core exits when the
+last request is done. An HTTP process stopped alone (SIGTERM to it) drains itself but not the core;
+one killed by a signal (a crash, the OOM killer) too is restarted, and the core cancels what its
 predecessor had asked for; one that exits with an error stops the whole server with its exit
 code (a start-up failure would only repeat). A dead core fails every process's requests at once
 (each watches the core's pid) and /health answers 503 everywhere. If the supervisor itself dies
@@ -74,7 +75,7 @@ class Supervisor:
         signal.signal(signal.SIGTERM, self._stop)
         # Ctrl-C reaches the whole process group: each HTTP process has it already (a second
         # signal would make uvicorn skip its drain).
-        signal.signal(signal.SIGINT, lambda *_: setattr(self, "stopping", True))
+        signal.signal(signal.SIGINT, lambda *_: self._stop(forward=False))
         try:
             self.core = self._start_core()
             self.workers = [self._start_worker(i) for i in range(self.run_dir.api_servers)]
@@ -123,10 +124,11 @@ class Supervisor:
                 self.exit_code = code or 1
                 self._stop()
 
-    def _stop(self, *_) -> None:
-        """Every HTTP process drains as a lone server does on SIGTERM (and drains the core)."""
+    def _stop(self, *_, forward: bool = True) -> None:
+        """Every HTTP process drains as a lone server does on SIGTERM, and (seeing the flag) the core."""
         self.stopping = True
-        for worker in self.workers:
+        self.run_dir.stopping_flag.touch()
+        for worker in self.workers if forward else []:
             if worker.poll() is None:
                 worker.send_signal(signal.SIGTERM)
 

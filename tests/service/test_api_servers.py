@@ -160,6 +160,16 @@ def test_a_killed_http_process_is_restarted_and_counts_survive(server):
         assert status == 200, answer
 
 
+def test_sigterm_to_one_http_process_restarts_it_and_spares_the_core(server):
+    core = server.engine_core_pid()
+    (conn,) = next(iter(pinned_to_each(server).values()))
+    os.kill(conn.pid, signal.SIGTERM)
+    wait_until(lambda: len(set(api_server_pids(server.process.pid)) - {conn.pid}) == 2, WAIT_S,
+               "a new HTTP process in place of the stopped one")
+    wait_until(lambda: _both_serve(server), WAIT_S * 3, "the new process to serve")
+    assert server.engine_core_pid() == core  # the one process's drain did not shut the core down
+
+
 def _both_serve(server) -> bool:
     try:
         pinned = pinned_to_each(server, tries=40)
