@@ -17,7 +17,7 @@ endif
 # machine, `make test-cuda TORCH_CPU=torch==2.13.0+cu130` (or any CUDA build) installs that instead.
 TORCH_CPU ?= torch==2.13.0
 
-.PHONY: install system-deps weights serve test test-floors test-cuda reliability bench-serve ln-experiment llama-cpp gguf bench-llama-cpp clean
+.PHONY: install system-deps weights serve test test-floors test-cuda test-api-servers reliability bench-serve ln-experiment llama-cpp gguf bench-llama-cpp clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -84,6 +84,12 @@ test-floors: weights $(FLOORS_VENV)/.installed
 # model, engine and analysis suites on the GPU, against transformers on the same GPU.
 test-cuda: weights
 	GPT2_TEST_DEVICE=cuda $(PY) -m pytest tests/model tests/engine tests/analysis $(PYTEST_ARGS)
+
+# The --api-servers lane: the live-server suites with every server run as two HTTP processes in
+# front of one engine core (tests/service/live.py reads GPT2_TEST_API_SERVERS).
+LIVE_TESTS := tests/service/test_live_clients.py tests/service/test_live_lifecycle.py tests/service/test_api_servers.py
+test-api-servers: weights
+	GPT2_TEST_API_SERVERS=2 $(PY) -m pytest $(LIVE_TESTS) $(PYTEST_ARGS)
 
 # What clients get over HTTP, beside the engine called directly and transformers (bench/bench_serve.py).
 bench-serve: weights

@@ -5,6 +5,7 @@ transformers' generate(), on the same weights in the same run.
     .venv/bin/python -m bench.bench_serve --device cuda --dtype float16 --clients 1 16 64 256
     .venv/bin/python -m bench.bench_serve --quantize none int8 --clients 1 16 --no-reference   # side by side
     .venv/bin/python -m bench.bench_serve --quantize none int8 --llama-cpp build/llama.cpp/bin  # docs/llama-cpp.md
+    .venv/bin/python -m bench.bench_serve --api-servers 1 2 --clients 32 --no-reference        # HTTP processes
 
 For each client count C it starts nothing new: one real server (`python -m service`, its engine
 core in its own process) serves every row. C concurrent clients each stream one
@@ -22,6 +23,8 @@ mode's served tok/s over the first's.
 With --llama-cpp, each server also times one 512-token prompt (512 / TTFT), and llama.cpp's
 llama-bench and llama-batched-bench then run on GGUFs of the same folder (bench/llama_cpp_bench.py
 says what each figure is); the last table gives ours / llama.cpp.
+Several --api-servers counts work the same way (one server
+per count and mode); the CPU split's `http` column then sums the server's HTTP processes.
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ from model.config import DTYPES
 from model.linear import QUANTIZE_MODES
 from service.engine.types import GenerationRequest, SamplingParams
 from service.inprocess import Engine, EngineConfig
-from tests.processes import STARTUP_TIMEOUT_S, clean_env, cpu_seconds, engine_core_pid, free_port
+from tests.processes import STARTUP_TIMEOUT_S, api_server_pids, clean_env, cpu_seconds, engine_core_pid, free_port
 from weights.checkpoint import load_model
 from weights.tokenizer import GPT2Tokenizer
 
@@ -86,8 +89,9 @@ def percentile(values: list[float], q: float) -> float:
 
 # --- the server ---------------------------------------------------------------------------------
 class Server:
-    def __init__(self, args: argparse.Namespace, slots: int, quantize: str = "none") -> None:
+    def __init__(self, args: argparse.Namespace, slots: int, quantize: str = "none", api_servers: int = 1) -> None:
         self.port = free_port()
+        self.label = quantize if len(args.api_servers) == 1 else f"{quantize}, {api_servers} HTTP"
         command = [
             sys.executable, "-m", "service", "--model-dir", str(args.model_dir), "--port", str(self.port),
             "--device", args.device, "--dtype", args.dtype, "--max-batch-size", str(slots),
@@ -97,6 +101,8 @@ class Server:
             command += ["--threads", str(args.threads)]
         if quantize != "none":
             command += ["--quantize", quantize]
+        if api_servers != 1:
+            command += ["--api-servers", str(api_servers)]
         self.url = f"http://127.0.0.1:{self.port}"
         self.process = subprocess.Popen(command, env=clean_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
@@ -182,10 +188,16 @@ async def one_stream(url: str, text: str, stats: ClientStats) -> None:
 
 def serve_clients(server: Server, texts: list[str], clients: int, per_client: int, new_tokens: int) -> ClientStats:
     """drive_clients, with the CPU time of the HTTP process, the engine core and these clients."""
-    pids = {"http": server.process.pid, "core": engine_core_pid(server.process.pid)}
-    before = {name: cpu_seconds(pid) for name, pid in pids.items()} | {"clients": time.process_time()}
+    # With --api-servers N the first process only supervises: the HTTP processes are its children.
+    http = [server.process.pid, *api_server_pids(server.process.pid)]
+    pids = {"http": http, "core": [engine_core_pid(server.process.pid)]}
+
+    def cpu_now() -> dict[str, float]:
+        return {name: sum(cpu_seconds(p) for p in group) for name, group in pids.items()} | {"clients": time.process_time()}
+
+    before = cpu_now()
     stats = asyncio.run(drive_clients(server.url, texts, clients, per_client, new_tokens))
-    after = {name: cpu_seconds(pid) for name, pid in pids.items()} | {"clients": time.process_time()}
+    after = cpu_now()
     stats.cpu = {name: after[name] - before[name] for name in before}
     return stats
 
@@ -258,6 +270,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="llama.cpp's tools (make llama-cpp: build/llama.cpp/bin): run beside ours, on GGUFs of --model-dir")
     parser.add_argument("--llama-cpp-repetitions", type=int, default=3, help="llama-bench -r; also our 512-token prompts")
     parser.add_argument("--gguf-dir", type=Path, default=BUILD_ROOT / "gguf", help="where the GGUFs are converted to")
+    parser.add_argument("--api-servers", nargs="+", type=int, default=[1],
+                        help="the servers' --api-servers (HTTP processes); several: one server each, side by side")
     args = parser.parse_args(argv)
     args.clients = args.clients or ([1, 32] if args.device == "cpu" else [1, 16, 64, 256])
     if args.llama_cpp:
@@ -290,22 +304,23 @@ def main() -> None:
                                              round(statistics.mean(len(p) for p in prompts[:slots])), args.llama_cpp_repetitions)
         for mode in dict.fromkeys(args.quantize):
             (ggufs[mode],) = convert(args.model_dir, args.gguf_dir, (llama_cpp_bench.GGUF_TYPE[mode, args.dtype],))
-    servers = {mode: Server(args, slots, mode) for mode in dict.fromkeys(args.quantize)}
+    servers = {(mode, n): Server(args, slots, mode, n) for mode in dict.fromkeys(args.quantize)
+               for n in dict.fromkeys(args.api_servers)}
     try:
         for server in servers.values():
             server.wait_ready()
             # One short request first: the server's own first-request costs are not throughput.
             asyncio.run(drive_clients(server.url, texts, 1, 1, 4))
-        # Each client count on every server in turn, llama.cpp's figure for it right after ours.
+        # Each client count on every server in turn (a change in the machine's load hits all alike),
+        # llama.cpp's figure for it right after ours.
         served = {}
         for c in args.clients:
-            for mode, server in servers.items():
-                served[mode, c] = serve_clients(server, texts, c, args.requests_per_client, args.new_tokens)
+            for (mode, n), server in servers.items():
+                served[(mode, n), c] = stats = serve_clients(server, texts, c, args.requests_per_client, args.new_tokens)
                 if llama_cpp:
-                    beside.append(llama_cpp_row(args, mode, served[mode, c].tokens / served[mode, c].seconds,
-                                                *llama_cpp.clients(ggufs[mode], c)))
+                    beside.append(llama_cpp_row(args, mode, stats.tokens / stats.seconds, *llama_cpp.clients(ggufs[mode], c)))
         if llama_cpp:
-            for mode, server in servers.items():
+            for (mode, n), server in servers.items():
                 ours = prefill_rate(server, prefill_texts, llama_cpp_bench.PREFILL_TOKENS)
                 beside.append(llama_cpp_row(args, mode, ours, *llama_cpp.prefill(ggufs[mode])))
     finally:
@@ -320,20 +335,23 @@ def main() -> None:
     print(f"{args.model_dir}, {args.device} {args.dtype}, {args.new_tokens} new tokens per request, "
           f"{args.requests_per_client} request(s) per client\n")
     hf_rates: dict[int, float | None] = {}
-    for mode in servers:
-        model = ours
-        if mode != "none":
-            print(f"--quantize {mode}")
-            model = load_model(args.model_dir, device=args.device, dtype=dtype)
-            model.quantize(mode)
-        report(args, {c: served[mode, c] for c in args.clients}, model, reference, tokenizer, prompts, slots, max_len, hf_rates)
+    models = {"none": ours}
+    for (mode, n), server in servers.items():
+        if mode not in models:
+            models[mode] = load_model(args.model_dir, device=args.device, dtype=dtype)
+            models[mode].quantize(mode)
+        if len(servers) > 1:
+            print(f"--quantize {mode} --api-servers {n}")
+        report(args, {c: served[(mode, n), c] for c in args.clients}, models[mode], reference, tokenizer, prompts,
+               slots, max_len, hf_rates)
     if len(servers) > 1:
-        first, *others = servers
-        print(f"\nserved tok/s over --quantize {first}'s")
-        print(f"{'clients':>7s} " + " ".join(f"{mode:>10s}" for mode in others))
+        first, *others = servers.values()
+        print(f"\nserved tok/s over {first.label}'s")
+        print(f"{'clients':>7s} " + " ".join(f"{s.label:>14s}" for s in others))
         for c in args.clients:
-            rate = {mode: served[mode, c].tokens / served[mode, c].seconds for mode in servers}
-            print(f"{c:7d} " + " ".join(f"{rate[mode] / rate[first]:9.2f}x" for mode in others))
+            rate = {key: served[key, c].tokens / served[key, c].seconds for key in servers}
+            base = rate[next(iter(servers))]
+            print(f"{c:7d} " + " ".join(f"{rate[key] / base:13.2f}x" for key in list(servers)[1:]))
     if llama_cpp:
         print(f"\nbeside llama.cpp ({args.llama_cpp}, {llama_cpp.threads} thread(s); batched-bench prompts of "
               f"{llama_cpp.prompt_tokens} tokens), each llama.cpp figure measured right after ours")

@@ -11,6 +11,7 @@ import torch
 from pydantic import ValidationError
 from pydantic_settings import CliApp, CliSettingsSource
 
+from service.http.core_link import CoreLink
 from service.http.request_guards import default_allowed_hosts
 from service.settings import Settings
 from weights.checkpoint import CheckpointError
@@ -29,23 +30,38 @@ def parse_settings(argv: list[str] | None = None) -> Settings:
         source.root_parser.error(str(exc))  # exits 2 with the offending setting named, no traceback
 
 
-def main(argv: list[str] | None = None) -> None:
+def serving_settings(argv: list[str] | None = None) -> Settings:
     settings = parse_settings(argv)
     if settings.allowed_hosts is None:
         # Decided here, where the socket is bound; in-process apps (tests) take any Host.
         settings = settings.model_copy(update={"allowed_hosts": default_allowed_hosts(settings.host)})
     if settings.device == "cuda" and not torch.cuda.is_available():
         sys.exit(f"cannot start: --device cuda, but this torch ({torch.__version__}) sees no CUDA device")
+    return settings
+
+
+def main(argv: list[str] | None = None) -> None:
+    settings = serving_settings(argv)
+    if settings.api_server_count > 1:
+        from service.workers import supervise
+
+        sys.exit(supervise(settings, sys.argv[1:] if argv is None else argv))
+    run(settings)
+
+
+def run(settings: Settings, link: CoreLink | None = None) -> None:
+    """Serve in this process: alone, or as one of several HTTP processes (`link`)."""
     from service.app import create_app
     from service.http.server import serve
+    from service.workers import listening_socket
 
     try:
-        app = create_app(settings)
+        app = create_app(settings, link)
     except (CheckpointError, FileNotFoundError, ValueError) as exc:
         sys.exit(f"cannot start: {exc}")
     # On SIGTERM: new requests get 503 while open responses finish (up to drain_seconds); the
     # engine core drains alongside and cancels what is left just before that deadline.
-    serve(app, settings)
+    serve(app, settings, None if link is None else listening_socket(settings.host, settings.port))
 
 
 if __name__ == "__main__":

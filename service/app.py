@@ -29,6 +29,7 @@ from service.http import routes_playground
 from service.http.auth import BearerAuthMiddleware
 from service.http.body_limit import BodyLimitMiddleware
 from service.http.client import EngineClient
+from service.http.core_link import CoreLink
 from service.engine.core import EngineConfig
 from service.engine.process import CoreProcessConfig
 from service.http.drain import Drain, DrainMiddleware
@@ -61,11 +62,12 @@ def load_state(settings: Settings) -> ServiceState:
     return state
 
 
-def build_client(state: ServiceState) -> EngineClient:
-    settings = state.settings
+def core_config(settings: Settings, context_length: int, eos_token_id: int) -> CoreProcessConfig:
+    """The engine core's settings: here for the core this process spawns, and in the supervisor
+    for the one that several HTTP processes share (service/workers.py)."""
     engine_config = EngineConfig(
         max_slots=settings.max_batch_size,
-        max_len=state.limits.context_length,
+        max_len=context_length,
         # The HTTP side admits at most max_batch_size + max_waiting requests (429 beyond), so
         # the core's own queue never refuses one: a beam request holds several slots, so up to
         # all of them may wait.
@@ -80,20 +82,25 @@ def build_client(state: ServiceState) -> EngineClient:
         problem = int8_problem(settings.device, settings.torch_dtype)
         if problem is not None:
             raise ValueError(problem)
-    config = CoreProcessConfig(
+    return CoreProcessConfig(
         model_dir=settings.model_dir,
         device=settings.device,
         dtype=settings.dtype,
         threads=settings.threads,
         engine=engine_config,
-        eos_token_id=state.tokenizer.eos_token_id,
+        eos_token_id=eos_token_id,
         quantize=settings.quantize,
     )
+
+
+def build_client(state: ServiceState, link: CoreLink | None = None) -> EngineClient:
+    settings = state.settings
     return EngineClient(
-        config,
+        core_config(settings, state.limits.context_length, state.tokenizer.eos_token_id),
         state.tokenizer,
         on_step=state.metrics.observe_step,
         max_in_flight=settings.max_batch_size + settings.max_waiting,
+        link=link,
     )
 
 
@@ -106,10 +113,11 @@ def include_routes(app: FastAPI) -> list[str]:
     return [route.path for each in routers for route in each.routes]
 
 
-def create_app(settings: Settings) -> FastAPI:
+def create_app(settings: Settings, link: CoreLink | None = None) -> FastAPI:
+    """`link`: one of several HTTP processes, attached to the supervisor's core (service/workers.py)."""
     # Load before serving: a bad checkpoint must stop start-up, not the first request.
     state = load_state(settings)
-    state.client = build_client(state)
+    state.client = build_client(state, link)
     state.generations = Generations(state.client, state.metrics, settings.retry_after_seconds)
 
     @asynccontextmanager

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import torch
 from pydantic import Field, SecretStr, field_validator, model_validator
@@ -75,6 +76,10 @@ class Settings(BaseSettings):
     max_stop_chars: int = Field(64, ge=1, le=4096, description="characters per stop string")
 
     # --- HTTP -------------------------------------------------------------------------------
+    api_servers: Annotated[int, Field(ge=1, le=64)] | Literal["auto"] = Field(
+        1, description="HTTP processes accepting on the one port, all fed by one engine core; auto: the CPU cores"
+        " the core's threads leave (at most 8)",
+    )
     max_body_bytes: int = Field(1_000_000, ge=1, description="request bodies above this get 413 before parsing")
     api_key: SecretStr | None = Field(None, description="if set, bearer token required on all but /health, /metrics")
     drain_seconds: float = Field(30.0, ge=0, description="on SIGTERM, how long in-flight requests may finish")
@@ -132,6 +137,14 @@ class Settings(BaseSettings):
                 f"default_max_new_tokens ({self.default_max_new_tokens}) exceeds max_new_tokens ({self.max_new_tokens})"
             )
         return self
+
+    @property
+    def api_server_count(self) -> int:
+        if self.api_servers != "auto":
+            return self.api_servers
+        cores = os.cpu_count() or 1
+        core_threads = self.threads or (1 if self.device == "cuda" else cores)
+        return max(1, min(8, cores - core_threads))
 
     @property
     def cors_origin_list(self) -> list[str]:

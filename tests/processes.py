@@ -22,14 +22,9 @@ def free_port() -> int:
 
 def engine_core_pid(server_pid: int) -> int:
     """The server's engine core: its child process started by multiprocessing's spawn."""
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-            command = (stat.parent / "cmdline").read_bytes()
-        except (OSError, ValueError, IndexError):
-            continue  # a process that ended while we looked
+    for pid, parent, command in _processes():
         if parent == server_pid and b"spawn_main" in command:
-            return int(stat.parent.name)
+            return pid
     raise LookupError(f"process {server_pid} has no engine core process")
 
 
@@ -37,3 +32,36 @@ def cpu_seconds(pid: int) -> float:
     """User + system CPU time a process has used so far (/proc/PID/stat)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def api_server_pids(server_pid: int) -> list[int]:
+    """The HTTP processes of a server started with --api-servers N (service/workers.py)."""
+    return [pid for pid, parent, command in _processes() if parent == server_pid and b"service.workers" in command]
+
+
+def _processes() -> list[tuple[int, int, bytes]]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            found.append((int(stat.parent.name), parent, (stat.parent / "cmdline").read_bytes()))
+        except (OSError, ValueError, IndexError):
+            continue  # a process that ended while we looked
+    return found
+
+
+def connection_owner(pids: list[int], client_port: int) -> int | None:
+    """Which of `pids` holds the server end of the loopback TCP connection from `client_port`."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if int(fields[2].rsplit(":", 1)[1], 16) == client_port:
+                inodes.add(f"socket:[{fields[9]}]")
+    for pid in pids:
+        try:
+            if any(os.readlink(fd) in inodes for fd in Path(f"/proc/{pid}/fd").iterdir()):
+                return pid
+        except OSError:
+            continue
+    return None

@@ -5,6 +5,8 @@ A model folder holds `tokenizer.json`, or `vocab.json` + `merges.txt` (GPT-2's o
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -53,6 +55,12 @@ class GPT2Tokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def stream_decoder(self) -> Callable[[int], str | None]:
+        """A function fed one token id at a time, returning the text it completes, or None while
+        the text so far ends inside a UTF-8 character (or the token adds no text, as a special
+        token). The tokenizer's own incremental decoder, in Rust: one call per token."""
+        return partial(decoders.DecodeStream(skip_special_tokens=True).step, self._tok)
 
     def token_str(self, token_id: int) -> str:
         """The token as the vocabulary spells it (byte-level: "Ġthe" for " the")."""

@@ -2,6 +2,10 @@
 
 The names are a contract with the deployment (Grafana dashboard, HPA rule): change them there too.
 A registry per app, not prometheus_client's global one, so tests can build several apps.
+With --api-servers N every HTTP process records into prometheus_client's multiprocess files
+(PROMETHEUS_MULTIPROC_DIR, set by service/workers.py before the process starts) and one
+scrape of any of them reads them all: counters and histograms summed over the processes (the
+dead ones' included, so totals never go back), the engine's gauges as last reported.
 
 Other modules record through a `Metrics` instance (`request.app.state.service.metrics`):
     metrics.analysis_duration.observe(seconds)        # one per /analyze/* request, its analysis work
@@ -11,11 +15,13 @@ a handler refines the outcome with `set_outcome(request, "cancelled")`.
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Literal
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, disable_created_metrics
 from prometheus_client.exposition import generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
 from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -36,6 +42,10 @@ OUTCOME_SCOPE_KEY = "gpt2.outcome"
 # Drop the *_created series (one per counter and histogram child): they double the scrape and no
 # dashboard reads them. A process-wide switch of prometheus_client.
 disable_created_metrics()
+
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+# Every process sets the engine's gauges from the same step stats: the latest is the server's.
+ENGINE_GAUGE = {"multiprocess_mode": "mostrecent"}
 
 
 class Metrics:
@@ -85,12 +95,14 @@ class Metrics:
         self.accepted_tokens = Counter(
             "gpt2_spec_accepted_tokens", "Drafted tokens that matched the model's own choice", registry=r
         )
-        self.requests_running = Gauge("gpt2_requests_running", "Requests holding KV-cache slots", registry=r)
-        self.requests_waiting = Gauge("gpt2_requests_waiting", "Requests queued for a free slot", registry=r)
+        self.requests_running = Gauge("gpt2_requests_running", "Requests holding KV-cache slots", registry=r, **ENGINE_GAUGE)
+        self.requests_waiting = Gauge("gpt2_requests_waiting", "Requests queued for a free slot", registry=r, **ENGINE_GAUGE)
         self.batch_size = Histogram(
             "gpt2_batch_size", "Sequences per engine step", buckets=BATCH_BUCKETS, registry=r
         )
-        self.kv_cache_usage = Gauge("gpt2_kv_cache_usage_ratio", "Fraction of KV-cache slots in use", registry=r)
+        self.kv_cache_usage = Gauge(
+            "gpt2_kv_cache_usage_ratio", "Fraction of KV-cache slots in use", registry=r, **ENGINE_GAUGE
+        )
         self.analysis_duration = Histogram(
             "gpt2_analysis_duration_seconds", "Time to run one /analyze/* request's analysis", buckets=LATENCY_BUCKETS, registry=r
         )
@@ -128,7 +140,14 @@ class Metrics:
         self.request_duration.labels(endpoint=endpoint).observe(seconds)
 
     def expose(self) -> bytes:
-        return generate_latest(self.registry)
+        directory = os.environ.get(MULTIPROC_ENV)
+        if directory is None:
+            return generate_latest(self.registry)
+        every_process = CollectorRegistry()
+        MultiProcessCollector(every_process, path=directory)
+        # Info is not kept in the multiprocess files; it is the same in every process.
+        every_process.register(self.model_info)
+        return generate_latest(every_process)
 
 
 def set_outcome(request: Request, outcome: Outcome) -> None:

@@ -5,6 +5,9 @@ take every message waiting (blocking only while idle), run one step, send its Co
 The HTTP process owns shutdown: SIGINT and SIGTERM are ignored here (a Ctrl-C or a container
 stop reaches the whole process group, and the HTTP side then drains us with a Shutdown message),
 and the core exits by itself if the HTTP process dies.
+With --api-servers N (service/workers.py) the core is the supervisor's child instead, with
+one socket pair per HTTP process: it sends each step's outputs to the process that owns each
+request (service/engine/routing.py), never blocking on a process that is gone.
 """
 
 from __future__ import annotations
@@ -28,10 +31,12 @@ from service.engine.protocol import (
     CoreExit,
     CoreOutput,
     CoreReady,
+    Hello,
     Shutdown,
     encoder,
     to_core,
 )
+from service.engine.routing import Owners
 from service.engine.types import CoreStep, EngineStopped, QueueFull, RequestFailed, StepStats
 
 log = logging.getLogger(__name__)
@@ -48,8 +53,9 @@ class CoreProcessConfig:
     threads: int | None
     engine: EngineConfig
     eos_token_id: int
-    input_address: str = ""  # the HTTP side's PUSH socket, bound before the core starts
-    output_address: str = ""  # the HTTP side's PULL socket
+    # One per HTTP process, which binds them: its PUSH socket (the core's input) and its PULL.
+    input_addresses: tuple[str, ...] = ()
+    output_addresses: tuple[str, ...] = ()
     quantize: str = "none"  # a model.linear.QUANTIZE_MODES name; this process's model only
 
 
@@ -61,18 +67,22 @@ def run_core(config: CoreProcessConfig) -> None:
     parent = os.getppid()
     context = zmq.Context()
     inputs = context.socket(zmq.PULL)
-    inputs.connect(config.input_address)
-    outputs = context.socket(zmq.PUSH)
-    outputs.connect(config.output_address)
+    for address in config.input_addresses:
+        inputs.connect(address)
+    outputs = [context.socket(zmq.PUSH) for _ in config.output_addresses]
+    for sock, address in zip(outputs, config.output_addresses):
+        sock.connect(address)
+    loop = CoreLoop(inputs, outputs, parent)
     try:
-        core = build_core(config)
-        outputs.send(encoder.encode(CoreReady(os.getpid())))
-        reason = CoreLoop(core, inputs, outputs, parent).run()
+        loop.core = build_core(config)
+        loop.send_all(CoreReady(os.getpid()))
+        reason = loop.run()
     except Exception as exc:
         log.exception("engine core failed")
         reason = f"engine core failed: {type(exc).__name__}: {exc}"
-    outputs.send(encoder.encode(CoreExit(reason)))
-    outputs.close(linger=2000)  # let the last messages leave before the process ends
+    loop.send_all(CoreExit(reason))
+    for sock in outputs:
+        sock.close(linger=2000)  # let the last messages leave before the process ends
     inputs.close(linger=0)
     context.term()
 
@@ -92,10 +102,11 @@ def build_core(config: CoreProcessConfig) -> EngineCore:
 
 
 class CoreLoop:
-    def __init__(self, core: EngineCore, inputs: zmq.Socket, outputs: zmq.Socket, parent_pid: int) -> None:
-        self.core = core
+    def __init__(self, inputs: zmq.Socket, outputs: list[zmq.Socket], parent_pid: int) -> None:
+        self.core: EngineCore | None = None  # set once the model is loaded
         self.inputs = inputs
         self.outputs = outputs
+        self.owners = Owners(len(outputs)) if len(outputs) > 1 else None
         self.parent_pid = parent_pid
         self.poller = zmq.Poller()
         self.poller.register(inputs, zmq.POLLIN)
@@ -124,14 +135,22 @@ class CoreLoop:
 
     def _handle(self, message) -> None:
         if isinstance(message, AddRequests):
+            request_ids = [r.request_id for r in message.requests]
+            if self.owners is not None:
+                self.owners.add(request_ids, message.client)
             try:
                 self.core.submit(message.requests)
             except (ValueError, QueueFull, EngineStopped) as exc:
                 # The HTTP side checked all this before sending; say so rather than drop them.
-                self._send_failed([r.request_id for r in message.requests], f"refused by the engine core: {exc}")
+                self._send_failed(request_ids, f"refused by the engine core: {exc}")
         elif isinstance(message, AbortRequests):
             for request_id in message.request_ids:
                 self.core.cancel(request_id)
+        elif isinstance(message, Hello):
+            # A restarted HTTP process: its predecessor's requests have nobody to go to.
+            for request_id in self.owners.of_client(message.client) if self.owners else []:
+                self.core.cancel(request_id)
+            self._send_to(message.client, CoreReady(os.getpid()))
         elif isinstance(message, Shutdown):
             self.stopping = True
             self.core.scheduler.close()
@@ -141,7 +160,26 @@ class CoreLoop:
                 self.deadline = time.monotonic() + message.timeout
 
     def _send(self, step: CoreStep) -> None:
-        self.outputs.send(encoder.encode(CoreOutput(step)))
+        if self.owners is None:
+            self._send_to(0, CoreOutput(step))
+            return
+        for client, part in enumerate(self.owners.split(step)):
+            self._send_to(client, CoreOutput(part))
+
+    def send_all(self, message) -> None:
+        for client in range(len(self.outputs)):
+            self._send_to(client, message)
+
+    def _send_to(self, client: int, message) -> None:
+        if self.owners is None:
+            self.outputs[0].send(encoder.encode(message))  # the one HTTP process is our parent
+            return
+        try:
+            # An HTTP process that died leaves its messages queued (up to the high-water mark)
+            # for its restarted successor, which ignores what it did not ask for; never wait.
+            self.outputs[client].send(encoder.encode(message), zmq.NOBLOCK)
+        except zmq.Again:
+            log.warning("HTTP process %d is not reading: a message for it was dropped", client)
 
     def _send_failed(self, request_ids: list[str], message: str) -> None:
         cache = self.core.cache

@@ -1,6 +1,8 @@
 """Messages between the HTTP process and the engine-core process, and their encoding.
 
-ZeroMQ carries them (PUSH/PULL over a Unix socket, one each way) and msgspec's MessagePack
+ZeroMQ carries them (PUSH/PULL over a Unix socket, one each way per HTTP process; with
+--api-servers N the core routes each request's outputs to the process that sent it, as vLLM's
+--api-server-count does) and msgspec's MessagePack
 encodes them, as vLLM's EngineCore client does: both are well kept, and msgspec encodes the
 engine's own dataclasses as they are, with no pickle on either side. One CoreOutput per engine
 step carries every request's new token ids at once, so the HTTP side wakes once per step.
@@ -18,10 +20,18 @@ class AddRequests(msgspec.Struct, tag=True):
     """Requests to be prefilled together (the prompts of one HTTP call)."""
 
     requests: list[GenerationRequest]
+    client: int = 0  # the HTTP process that sent them: their outputs go to it alone
 
 
 class AbortRequests(msgspec.Struct, tag=True):
     request_ids: list[str]
+
+
+class Hello(msgspec.Struct, tag=True):
+    """An HTTP process (re)started: the core drops what an earlier one of that number had asked
+    for, and answers CoreReady."""
+
+    client: int
 
 
 class Shutdown(msgspec.Struct, tag=True):
@@ -45,7 +55,7 @@ class CoreExit(msgspec.Struct, tag=True):
     reason: str
 
 
-ToCore = AddRequests | AbortRequests | Shutdown
+ToCore = AddRequests | AbortRequests | Hello | Shutdown
 FromCore = CoreReady | CoreOutput | CoreExit
 
 encoder = msgspec.msgpack.Encoder()

@@ -13,6 +13,11 @@ Admission is decided here, synchronously, so a refusal is an immediate 422 / 429
 never has to answer a request with anything but tokens.
 If the core process dies, every waiting request fails at once and `running` turns False
 (/health answers 503).
+
+With --api-servers N (service/workers.py) the core is not this process's child: given a
+CoreLink, the client binds its own pair of sockets in the run directory, says Hello to the core
+the supervisor started, watches the core's pid (a pidfd) for its death, and admits against the
+in-flight count every HTTP process shares (service/http/core_link.py).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing
+import os
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -35,6 +41,7 @@ from service.engine.protocol import (
     CoreExit,
     CoreOutput,
     CoreReady,
+    Hello,
     Shutdown,
     encoder,
     from_core,
@@ -49,6 +56,7 @@ from service.engine.types import (
     StepStats,
     TokenEvent,
 )
+from service.http.core_link import CoreLink, SharedInFlight
 from service.http.outputs import OutputProcessor
 from weights.tokenizer import GPT2Tokenizer
 
@@ -64,9 +72,11 @@ class EngineClient:
         tokenizer: GPT2Tokenizer,
         on_step: Callable[[StepStats], None] | None = None,
         max_in_flight: int | None = None,
+        link: CoreLink | None = None,
     ) -> None:
         """`config`'s addresses are filled in by start(); `max_in_flight` bounds the requests
-        admitted and not yet finished (running plus waiting); more get QueueFull."""
+        admitted and not yet finished (running plus waiting; the whole server's, with a link);
+        more get QueueFull. With `link`, attach to the core the supervisor runs."""
         if config.engine.max_len is None:
             raise ValueError("the engine config must name max_len: the HTTP side validates lengths")
         self.config = config
@@ -82,36 +92,58 @@ class EngineClient:
         self._from_core: zmq.asyncio.Socket | None = None
         self._reader: asyncio.Task | None = None
         self._socket_dir: str | None = None
+        self.link = link
+        self._shared = SharedInFlight(link.run_dir, link.index) if link is not None else None
+        self._core_fd: int | None = None  # readable when the core's process ends
         self._closed = False  # stop() was called: no new work
+        self._shutdown: Shutdown | None = None
+        self._shutdown_sent = False
         self._dead = False
 
     # --- life cycle ------------------------------------------------------------------------------
     async def start(self, timeout: float = 300.0) -> None:
-        """Spawn the core and wait until it has loaded the model. Raises RuntimeError if it cannot."""
-        self._socket_dir = tempfile.mkdtemp(prefix="gpt2-core-")
+        """Spawn the core (or, with a link, reach the supervisor's) and wait until it has loaded
+        the model. Raises RuntimeError if it cannot."""
         self._context = zmq.asyncio.Context()
         self._to_core = self._context.socket(zmq.PUSH)
         self._from_core = self._context.socket(zmq.PULL)
-        inputs, outputs = (f"ipc://{self._socket_dir}/{name}" for name in ("in", "out"))
+        if self.link is not None:
+            inputs, outputs = self.link.input_address, self.link.output_address
+        else:
+            self._socket_dir = tempfile.mkdtemp(prefix="gpt2-core-")
+            inputs, outputs = (f"ipc://{self._socket_dir}/{name}" for name in ("in", "out"))
         self._to_core.bind(inputs)
         self._from_core.bind(outputs)
-        config = replace(self.config, input_address=inputs, output_address=outputs)
-        # spawn, not fork: the HTTP process has threads (and, on a GPU, a CUDA context).
-        self._process = multiprocessing.get_context("spawn").Process(
-            target=run_core, args=(config,), name="gpt2-engine-core", daemon=True
-        )
-        self._process.start()
+        if self.link is None:
+            config = replace(self.config, input_addresses=(inputs,), output_addresses=(outputs,))
+            # spawn, not fork: the HTTP process has threads (and, on a GPU, a CUDA context).
+            self._process = multiprocessing.get_context("spawn").Process(
+                target=run_core, args=(config,), name="gpt2-engine-core", daemon=True
+            )
+            self._process.start()
         try:
-            first = from_core.decode(await asyncio.wait_for(self._from_core.recv(), timeout))
+            ready = await asyncio.wait_for(self._handshake(), timeout)
         except asyncio.TimeoutError:
             await self._kill()
             raise RuntimeError(f"the engine core did not start within {timeout:.0f} s") from None
-        if not isinstance(first, CoreReady):
+        if not isinstance(ready, CoreReady):
             await self._kill()
-            raise RuntimeError(getattr(first, "reason", f"unexpected first message {first!r}"))
+            raise RuntimeError(getattr(ready, "reason", f"unexpected first message {ready!r}"))
+        # Its own child's sentinel; another's pid, through a pidfd: either is readable at its end.
+        self._core_fd = self._process.sentinel if self._process is not None else os.pidfd_open(ready.pid)
         loop = asyncio.get_running_loop()
-        loop.add_reader(self._process.sentinel, self._on_core_exit)
+        loop.add_reader(self._core_fd, self._on_core_exit)
         self._reader = loop.create_task(self._read(), name="engine-core-reader")
+
+    async def _handshake(self) -> CoreReady | CoreExit:
+        if self.link is None:
+            return from_core.decode(await self._from_core.recv())
+        await self._to_core.send(encoder.encode(Hello(self.link.index)))
+        while True:
+            # A restarted process may first get what the core queued for its predecessor.
+            message = from_core.decode(await self._from_core.recv())
+            if isinstance(message, (CoreReady, CoreExit)):
+                return message
 
     @property
     def running(self) -> bool:
@@ -119,33 +151,48 @@ class EngineClient:
 
     def close(self, timeout: float | None = None, drain: bool = True) -> None:
         """Take no new work; the core lets running requests finish and cancels what is left after
-        `timeout` seconds, so their streams still end with a final event. Only the first call counts."""
+        `timeout` seconds, so their streams still end with a final event. Only the first call counts.
+        One of several HTTP processes drains the shared core only when the whole server stops;
+        stopped alone, it only takes no new work (the supervisor starts another)."""
         if self._closed:
             return
         self._closed = True
-        if self.running:
-            self._send(Shutdown(drain=drain, timeout=timeout))
+        self._shutdown = Shutdown(drain=drain, timeout=timeout)
+        self._shut_core_down()
+
+    def _shut_core_down(self) -> bool:
+        """Send the core its Shutdown, once, if this process may; True once it has been sent."""
+        if not self._shutdown_sent and self.running and (self.link is None or self.link.run_dir.stopping):
+            self._send(self._shutdown)
+            self._shutdown_sent = True
+        return self._shutdown_sent
 
     async def stop(self, timeout: float | None = None, drain: bool = True) -> None:
         """close(), then wait for the core's last results and its exit."""
         self.close(timeout, drain)
-        if self._process is None:
+        if self._process is None and self._core_fd is None:
             return
-        if self.running and self._reader is not None:
+        # Asked again: a signal that reaches every process at once (Ctrl-C) can come before the
+        # supervisor has said that the whole server stops.
+        if self._shut_core_down() and self._reader is not None:
             # The reader ends on the core's CoreExit, after delivering its last results.
             grace = None if timeout is None else timeout + 10.0
             await asyncio.wait({self._reader}, timeout=grace)
         await self._kill()
 
     async def _kill(self) -> None:
+        """Stop watching the core (and end it, if it is this process's child); fail what waits."""
         process, self._process = self._process, None
-        if process is None:
-            return
-        asyncio.get_running_loop().remove_reader(process.sentinel)
-        await asyncio.to_thread(process.join, 5.0)
-        if process.is_alive():
-            process.kill()  # it ignores SIGTERM: the HTTP side owns its shutdown
-            await asyncio.to_thread(process.join)
+        if self._core_fd is not None:
+            asyncio.get_running_loop().remove_reader(self._core_fd)
+            if process is None:
+                os.close(self._core_fd)
+            self._core_fd = None
+        if process is not None:
+            await asyncio.to_thread(process.join, 5.0)
+            if process.is_alive():
+                process.kill()  # it ignores SIGTERM: the HTTP side owns its shutdown
+                await asyncio.to_thread(process.join)
         if self._reader is not None and not self._reader.done():
             self._reader.cancel()
         self._dead = True
@@ -166,12 +213,16 @@ class EngineClient:
         engine = self.config.engine
         for request in requests:
             validate_request(request, self.max_len, engine.max_slots)
-        if len(self.outputs) + len(requests) > self.max_in_flight:
-            raise QueueFull(f"{len(self.outputs)} requests are in flight (limit {self.max_in_flight})")
+        if self._shared is not None:
+            in_flight = self._shared.admit(len(requests), self.max_in_flight)
+        else:
+            in_flight = len(self.outputs) if len(self.outputs) + len(requests) > self.max_in_flight else None
+        if in_flight is not None:
+            raise QueueFull(f"{in_flight} requests are in flight (limit {self.max_in_flight})")
         queues = [asyncio.Queue() for _ in requests]
         self._queues.update((r.request_id, q) for r, q in zip(requests, queues))
         self.outputs.add(requests)
-        self._send(AddRequests(requests))
+        self._send(AddRequests(requests, self.link.index if self.link is not None else 0))
         return queues
 
     def cancel(self, request_id: str) -> FinishedRequest | None:
@@ -181,11 +232,16 @@ class EngineClient:
         finished = self.outputs.abort(request_id)
         if finished is not None and self.running:
             self._send(AbortRequests([request_id]))
+        self._publish_in_flight()
         return finished
 
     @property
     def in_flight(self) -> int:
         return len(self.outputs)
+
+    def _publish_in_flight(self) -> None:
+        if self._shared is not None:
+            self._shared.publish(len(self.outputs))
 
     def _send(self, message) -> None:
         # A PUSH to a connected peer does not block below its high-water mark (1000 messages).
@@ -225,23 +281,29 @@ class EngineClient:
             queue = self._queues.pop(result.request_id, None)
             if queue is not None:
                 queue.put_nowait(result)
+        if processed.finished or processed.failed:
+            self._publish_in_flight()
 
     def _on_core_exit(self) -> None:
         """The core's process ended. A clean shutdown is finished by the reader; a crash fails
         every waiting request now rather than leaving its client hanging."""
-        if self._process is not None:
-            asyncio.get_running_loop().remove_reader(self._process.sentinel)
+        if self._core_fd is not None:
+            asyncio.get_running_loop().remove_reader(self._core_fd)
         if self._closed:
             return
-        code = self._process.exitcode if self._process is not None else None
-        log.error("the engine core process died (exit code %s)", code)
+        # The exit code is known only to the core's parent (this process, or the supervisor).
+        died = "the engine core process died"
+        if self._process is not None:
+            died += f" (exit code {self._process.exitcode})"
+        log.error(died)
         self._dead = True
         if self._reader is not None:
             self._reader.cancel()
-        self._deliver_failures(f"the engine core process died (exit code {code})")
+        self._deliver_failures(died)
 
     def _deliver_failures(self, message: str) -> None:
         for failed in self.outputs.fail_all(message):
             queue = self._queues.pop(failed.request_id, None)
             if queue is not None:
                 queue.put_nowait(failed)
+        self._publish_in_flight()

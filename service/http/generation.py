@@ -92,19 +92,29 @@ class Generations:
                 return stream.finished
 
     # --- streaming --------------------------------------------------------------------------
-    async def events(self, batch: CallStreams, http: Request) -> AsyncIterator[tuple[int, list[Item]]]:
-        """(index of the request in the batch, items that arrived together), until all finish.
+    async def events(self, batch: CallStreams, http: Request) -> AsyncIterator[list[tuple[int, list[Item]]]]:
+        """What arrived together, until all finish: (index of the request in the batch, its items)
+        for every request that has news, so that a step's events for a call make one write.
 
-        Items are yielded in arrival order; a request's last TokenEvent and its FinishedRequest
-        come out in the same list when the engine delivered them in the same step, so a stream
-        can put the final details on the last token, as TGI does.
+        Items are in arrival order; a request's last TokenEvent and its FinishedRequest come out
+        in the same list when the engine delivered them in the same step, so a stream can put
+        the final details on the last token, as TGI does.
         """
         pending: dict[asyncio.Future, int] = {}
         try:
+            if len(batch.streams) == 1:
+                # One request (every TGI stream): wait on its queue itself, with no task per wake.
+                stream, ended = batch.streams[0], False
+                while not ended:
+                    items = [await stream.queue.get()] + drain_now(stream.queue)
+                    ended = any([self._take(stream, item) for item in items])
+                    yield [(0, items)]
+                return
             for index, stream in enumerate(batch.streams):
                 pending[asyncio.ensure_future(stream.queue.get())] = index
             while pending:
                 done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                arrived = []
                 for future in sorted(done, key=pending.__getitem__):
                     index = pending.pop(future)
                     stream = batch.streams[index]
@@ -112,7 +122,8 @@ class Generations:
                     ended = [self._take(stream, item) for item in items]
                     if not any(ended):
                         pending[asyncio.ensure_future(stream.queue.get())] = index
-                    yield index, items
+                    arrived.append((index, items))
+                yield arrived
         finally:
             for future in pending:
                 future.cancel()

@@ -179,26 +179,30 @@ async def stream_chunks(state: ServiceState, call: Call, batch: CallStreams, req
                     index = call.choice_index(request_index, sequence_index)
                     offsets[index] = len(prompt.text)
                     yield sse(call.chunk([{"index": index, "text": prompt.text, "logprobs": None, "finish_reason": None}]))
-        async for request_index, items in state.generations.events(batch, request):
-            for item in items:
-                if isinstance(item, TokenEvent):
-                    index = call.choice_index(request_index, item.sequence_index)
-                    start = offsets.get(index, 0)
-                    offsets[index] = start + len(item.text)
-                    logprobs = None
-                    if body.logprobs is not None:
-                        logprobs = completion_logprobs(
-                            [item.token_id], [item.logprob], [item.top_logprobs], body.logprobs, start, tokenizer
-                        )
-                    yield sse(call.chunk([{"index": index, "text": item.text, "logprobs": logprobs, "finish_reason": None}]))
-                elif isinstance(item, FinishedRequest):
-                    generated += item.generated_tokens
-                    finals = [
-                        {"index": call.choice_index(request_index, j), "text": "", "logprobs": None,
-                         "finish_reason": openai_finish_reason(seq.finish_reason)}
-                        for j, seq in enumerate(item.sequences)
-                    ]
-                    yield sse(call.chunk(finals))
+        async for arrived in state.generations.events(batch, request):
+            chunk = []
+            for request_index, items in arrived:
+                for item in items:
+                    if isinstance(item, TokenEvent):
+                        index = call.choice_index(request_index, item.sequence_index)
+                        start = offsets.get(index, 0)
+                        offsets[index] = start + len(item.text)
+                        logprobs = None
+                        if body.logprobs is not None:
+                            logprobs = completion_logprobs(
+                                [item.token_id], [item.logprob], [item.top_logprobs], body.logprobs, start, tokenizer
+                            )
+                        chunk.append(sse(call.chunk([{"index": index, "text": item.text, "logprobs": logprobs,
+                                                      "finish_reason": None}])))
+                    elif isinstance(item, FinishedRequest):
+                        generated += item.generated_tokens
+                        finals = [
+                            {"index": call.choice_index(request_index, j), "text": "", "logprobs": None,
+                             "finish_reason": openai_finish_reason(seq.finish_reason)}
+                            for j, seq in enumerate(item.sequences)
+                        ]
+                        chunk.append(sse(call.chunk(finals)))
+            yield b"".join(chunk)
         if body.stream_options is not None and body.stream_options.include_usage:
             yield sse(call.chunk([], call.usage(generated)))
         yield DONE

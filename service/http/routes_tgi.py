@@ -164,26 +164,29 @@ async def tgi_events(
     tokenizer = state.tokenizer
     index = 0
     try:
-        async for _, items in state.generations.events(batch, request):
-            tokens = [i for i in items if isinstance(i, TokenEvent)]
-            finished = next((i for i in items if isinstance(i, FinishedRequest)), None)
-            for position, event in enumerate(tokens):
-                index += 1
-                last = finished is not None and position == len(tokens) - 1
-                payload = stream_token(event.token_id, event.text, event.logprob, index, tokenizer)
-                if event.top_logprobs is not None:
-                    payload["top_tokens"] = tgi_top_tokens(event.top_logprobs, tokenizer)
-                if last:
+        async for arrived in state.generations.events(batch, request):
+            chunk = []
+            for _, items in arrived:
+                tokens = [i for i in items if isinstance(i, TokenEvent)]
+                finished = next((i for i in items if isinstance(i, FinishedRequest)), None)
+                for position, event in enumerate(tokens):
+                    index += 1
+                    last = finished is not None and position == len(tokens) - 1
+                    payload = stream_token(event.token_id, event.text, event.logprob, index, tokenizer)
+                    if event.top_logprobs is not None:
+                        payload["top_tokens"] = tgi_top_tokens(event.top_logprobs, tokenizer)
+                    if last:
+                        payload.update(stream_end(finished, prompt, p))
+                    chunk.append(sse(payload))
+                if finished is not None and not tokens:
+                    # Finished without a token in this delivery (it was the engine's choice to end):
+                    # TGI's last event still needs a token to hang the details on.
+                    seq = finished.sequences[0]
+                    token_id = seq.token_ids[-1] if seq.token_ids else tokenizer.eos_token_id
+                    payload = stream_token(token_id, "", seq.logprobs[-1] if seq.logprobs else 0.0, index, tokenizer)
                     payload.update(stream_end(finished, prompt, p))
-                yield sse(payload)
-            if finished is not None and not tokens:
-                # Finished without a token in this delivery (it was the engine's choice to end):
-                # TGI's last event still needs a token to hang the details on.
-                seq = finished.sequences[0]
-                token_id = seq.token_ids[-1] if seq.token_ids else tokenizer.eos_token_id
-                payload = stream_token(token_id, "", seq.logprobs[-1] if seq.logprobs else 0.0, index, tokenizer)
-                payload.update(stream_end(finished, prompt, p))
-                yield sse(payload)
+                    chunk.append(sse(payload))
+            yield b"".join(chunk)
     except ApiError as exc:
         # The 200 and earlier tokens are already sent: the error travels as TGI sends it, as an event.
         set_outcome(request, "error")

@@ -28,6 +28,7 @@ import asyncio
 import json
 import logging
 import resource
+import socket
 import sys
 import time
 
@@ -171,7 +172,8 @@ class DrainingServer(uvicorn.Server):
 SWITCH_INTERVAL_S = 0.0005
 
 
-def serve(app: FastAPI, settings: Settings) -> None:
+def serve(app: FastAPI, settings: Settings, sock: socket.socket | None = None) -> None:
+    """`sock`: a listening socket already bound (one of several HTTP processes on one port)."""
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     config = uvicorn.Config(
         app, host=settings.host, port=settings.port, http=guarded_protocol(settings), backlog=BACKLOG,
@@ -179,4 +181,4 @@ def serve(app: FastAPI, settings: Settings) -> None:
         log_config=log_config(settings.log_format),
     )
     limit_repeated_lines()  # after uvicorn.Config, which configures logging
-    DrainingServer(config, app.state.drain, settings.drain_seconds).run()
+    DrainingServer(config, app.state.drain, settings.drain_seconds).run(sockets=None if sock is None else [sock])

@@ -2,7 +2,9 @@
 
 Two things make the text of a token unsafe to show at once:
 - a byte-level BPE token can end inside a UTF-8 character (decoding it alone gives U+FFFD), so
-  its text waits for the token that completes the character;
+  its text waits for the token that completes the character: the tokenizer's incremental
+  decoder (`tokenizers.decoders.DecodeStream`, weights/tokenizer.py) does that, one Rust call
+  per token;
 - the text may be the start of a stop string that the next tokens complete; it is held back
   until it cannot be, so a stop string (even one split across tokens) is never shown in part.
 """
@@ -11,48 +13,48 @@ from __future__ import annotations
 
 from weights.tokenizer import GPT2Tokenizer
 
-REPLACEMENT_CHAR = "\ufffd"
-
 
 class TextStream:
     def __init__(self, tokenizer: GPT2Tokenizer, stop: tuple[str, ...] = ()) -> None:
         if any(not s for s in stop):
             raise ValueError("stop strings must not be empty")
         self._tokenizer = tokenizer
+        self._step = tokenizer.stream_decoder()
         self._stop = stop
-        self._ids: list[int] = []
-        # Text is decoded from `_prefix_offset`; ids before `_read_offset` are already shown.
-        self._prefix_offset = 0
-        self._read_offset = 0
+        self._unreleased: list[int] = []  # ids the decoder has taken without releasing their text
         self._held = ""
-        self.text = ""  # everything released so far
+        self._pieces: list[str] = []  # everything released so far
         self.stopped = False  # a stop string was found; nothing more is released
+
+    @property
+    def text(self) -> str:
+        return "".join(self._pieces)
 
     def add(self, token_id: int) -> str:
         """Take the next token; return the text it makes safe to show (often '' or one word)."""
-        self._ids.append(token_id)
         if self.stopped:
             return ""
-        prefix_text = self._decode(self._prefix_offset, self._read_offset)
-        new_text = self._decode(self._prefix_offset, len(self._ids))
-        if len(new_text) <= len(prefix_text) or new_text.endswith(REPLACEMENT_CHAR):
-            return ""  # an incomplete character: wait for the bytes that complete it
-        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
-        return self._release(new_text[len(prefix_text) :], final=False)
+        piece = self._step(token_id)
+        if piece is None:
+            self._unreleased.append(token_id)  # an incomplete character: wait for its bytes
+            return ""
+        self._unreleased.clear()
+        return self._release(piece, final=False)
 
     def finish(self) -> str:
         """The sequence ended: release what was held (and any incomplete bytes, as U+FFFD)."""
         if self.stopped:
             return ""
-        prefix_text = self._decode(self._prefix_offset, self._read_offset)
-        rest = self._decode(self._prefix_offset, len(self._ids))[len(prefix_text) :]
-        self._prefix_offset = self._read_offset = len(self._ids)
+        # The released text ends on a whole character, so the rest decodes on its own as it
+        # would at the end of decoding every token.
+        rest = self._tokenizer.decode(self._unreleased, skip_special_tokens=True)
+        self._unreleased.clear()
         return self._release(rest, final=True)
 
-    def _decode(self, start: int, end: int) -> str:
-        return self._tokenizer.decode(self._ids[start:end], skip_special_tokens=True)
-
     def _release(self, piece: str, final: bool) -> str:
+        if not self._stop:
+            self._pieces.append(piece)
+            return piece
         held = self._held + piece
         cut = self._first_stop(held)
         if cut is not None:
@@ -61,7 +63,7 @@ class TextStream:
         else:
             keep = 0 if final else self._partial_stop_suffix(held)
             out, self._held = held[: len(held) - keep], held[len(held) - keep :]
-        self.text += out
+        self._pieces.append(out)
         return out
 
     def _first_stop(self, text: str) -> int | None:

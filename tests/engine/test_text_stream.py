@@ -10,6 +10,7 @@ from __future__ import annotations
 import random
 
 import pytest
+from tokenizers import Tokenizer, pre_tokenizers
 
 from service.http.text_stream import TextStream
 
@@ -111,6 +112,59 @@ def test_random_token_streams_with_a_stop_string_from_their_text(tokenizer):
         assert "".join(pieces) == expected, (ids, stop)
         for released in released_prefixes(pieces):
             assert expected.startswith(released), (ids, stop)
+
+
+def byte_tokens(default_model_dir, text: str) -> list[int]:
+    """text as GPT-2's single-byte tokens: every multi-byte character split across tokens."""
+    vocab = Tokenizer.from_file(str(default_model_dir / "tokenizer.json"))
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    return [vocab.token_to_id(char) for piece, _ in byte_level.pre_tokenize_str(text) for char in piece]
+
+
+TRICKY = "Ünïcödé — 東京 😀🎉 é"
+
+
+def test_characters_split_into_single_bytes_come_out_whole(tokenizer, default_model_dir):
+    ids = byte_tokens(default_model_dir, TRICKY)
+    assert len(ids) == len(TRICKY.encode())
+    pieces, stream, _ = run(tokenizer, ids)
+    assert "".join(pieces) == tokenizer.decode(ids) == TRICKY == stream.text
+    released = [p for p in pieces if p]
+    assert len(released) == len(TRICKY)  # one character per completing byte, never half of one
+    assert all("\ufffd" not in p for p in pieces)
+
+
+def test_random_byte_tokens_match_a_full_decode_at_every_step(tokenizer):
+    """Invalid and truncated UTF-8 included: what is released after each token is a prefix of
+    the full decode of the tokens so far, and everything adds up to the full decode."""
+    rng = random.Random(1)  # GPT-2's first 256 ids are its single-byte tokens
+    for _ in range(300):
+        ids = [rng.randrange(256) for _ in range(rng.randint(1, 10))]
+        full = tokenizer.decode(ids)
+        stream = TextStream(tokenizer)
+        released = ""
+        for used, token in enumerate(ids, 1):
+            released += stream.add(token)
+            assert full.startswith(released), ids
+            assert tokenizer.decode(ids[:used]).startswith(released), ids
+        assert released + stream.finish() == full, ids
+
+
+@pytest.mark.parametrize("stop", ["京 😀", "😀🎉", "é —", "\U0001f389 é"])
+def test_stop_strings_over_split_characters(tokenizer, default_model_dir, stop):
+    ids = byte_tokens(default_model_dir, TRICKY)
+    expected = TRICKY[: TRICKY.index(stop)]
+    pieces, stream, used = run(tokenizer, ids, (stop,))
+    assert stream.stopped and "".join(pieces) == expected == stream.text
+    for released in released_prefixes(pieces):
+        assert expected.startswith(released)
+    assert stop in tokenizer.decode(ids[:used]) and stop not in tokenizer.decode(ids[: used - 1])
+
+
+def test_special_tokens_add_no_text(tokenizer):
+    ids = tokenizer.encode("one two")
+    pieces, stream, _ = run(tokenizer, [ids[0], tokenizer.eos_token_id, *ids[1:], tokenizer.eos_token_id])
+    assert "".join(pieces) == "one two" == stream.text
 
 
 def test_empty_stop_string_is_refused(tokenizer):

@@ -4,6 +4,7 @@ stopped, and helpers to read its state over HTTP."""
 from __future__ import annotations
 
 import ipaddress
+import os
 import resource
 import socket
 import subprocess
@@ -21,6 +22,9 @@ from tests.conftest import REPO
 from tests.processes import STARTUP_TIMEOUT_S, clean_env, engine_core_pid, free_port
 
 WAIT_S = 60  # every wait for the server to reach a state is bounded by this
+# The --api-servers lane: GPT2_TEST_API_SERVERS=2 (make test-api-servers) runs every live server
+# as several HTTP processes in front of one engine core.
+API_SERVERS = os.environ.get("GPT2_TEST_API_SERVERS")
 
 
 class LiveServer:
@@ -59,6 +63,8 @@ class LiveServer:
 def live_server(model_dir: Path, open_files: int | None = None, **flags) -> Iterator[LiveServer]:
     """`open_files`: the server's file-descriptor limit (RLIMIT_NOFILE), to reach it with few connections."""
     port = free_port()
+    if API_SERVERS is not None:
+        flags.setdefault("api_servers", API_SERVERS)
     command = [sys.executable, "-m", "service", "--model-dir", str(model_dir), "--port", str(port), "--threads", "1"]
     for name, value in flags.items():
         command += ["--" + name.replace("_", "-"), str(value)]
