@@ -60,6 +60,36 @@ class AttentionInputs:
     rows: SlotBatch | None
     want_probs: bool
     packing: Packing | None = None
+    # On CPU, per row (queries, keys): attention then runs row by row (`attend_by_row`).
+    row_spans: list[tuple[int, int]] | None = None
+
+
+def attend_by_row(
+    queries: list[torch.Tensor], keys: torch.Tensor, values: torch.Tensor, ctx: AttentionInputs
+) -> list[torch.Tensor]:
+    """Row b's queries [1, H, n_b, d_h] over its own first L_b keys only: [1, H, n_b, d_h] each.
+
+    PyTorch's CPU attention (flash and math kernels alike) sums in an order set by the call's
+    query count and key count: on an AVX2 CPU a query's output changes in its last bits when
+    the batch pads it to a longer row's width or key length (docs/batch-invariance.md). One call
+    per row, shaped as that row alone would be, makes each row's output bit-identical alone and
+    in any batch, which int8 weights rely on: their per-row rounding turns a last-bit change into
+    a different token.
+    """
+    outputs = []
+    for b, (q, (n, length)) in enumerate(zip(queries, ctx.row_spans)):
+        # One query sees every key up to its own: no mask, as a lone decode row runs.
+        mask = None if n == 1 else ctx.mask[b : b + 1, :, :n, :length]
+        own_keys, own_values = keys[b : b + 1, :, :length], values[b : b + 1, :, :length]  # [1, H, L_b, d_h]
+        outputs.append(F.scaled_dot_product_attention(q, own_keys, own_values, attn_mask=mask))
+    return outputs
+
+
+def packed_row_spans(packing: Packing) -> list[tuple[int, int]]:
+    """Per packed row (its tokens, the keys its last token sees), read on the host once."""
+    lengths = torch.bincount(packing.index // packing.width, minlength=packing.batch)  # [B]
+    last_positions = packing.positions[lengths.cumsum(0) - 1]  # [B]
+    return list(zip(lengths.tolist(), (last_positions + 1).tolist()))
 
 
 class CausalSelfAttention(nn.Module):
@@ -84,7 +114,9 @@ class CausalSelfAttention(nn.Module):
             k, v = ctx.cache.read(self.layer_index, ctx.rows, ctx.kv_length)  # [B, H, L, d_h]
 
         probs = None
-        if ctx.want_probs:
+        if ctx.row_spans is not None:
+            y = torch.cat(attend_by_row(list(q.split(1)), k, v, ctx))  # [B, H, T, d_h]
+        elif ctx.want_probs:
             # Analysis needs the probabilities themselves, in float32 whatever the weights are.
             # Scaling q rather than the scores, and masking in place, spares two [B, H, T, L]
             # temporaries per layer (~20% of a 1024-token analysis forward); 1/sqrt(64) is a
@@ -109,6 +141,11 @@ class CausalSelfAttention(nn.Module):
         ctx.cache.write_tokens(self.layer_index, packing.slots, packing.positions, qkv[:, 1:])
         q = qkv[:, 0].reshape(N, C)  # [N, C]
         keys, values = ctx.cache.read(self.layer_index, ctx.rows, ctx.kv_length)  # [B, H, L, d_h]
+        if ctx.row_spans is not None:
+            rows = q.split([n for n, _ in ctx.row_spans])  # B × [n_b, C]
+            queries = [row.view(1, len(row), H, d).transpose(1, 2) for row in rows]  # B × [1, H, n_b, d_h]
+            y = torch.cat([out.transpose(1, 2).reshape(-1, C) for out in attend_by_row(queries, keys, values, ctx)])
+            return self.c_proj(y[None])  # [1, N, C]
         B, T = packing.batch, packing.width
         laid_out = q.new_zeros(B * T, C)
         laid_out[packing.index] = q
@@ -271,6 +308,8 @@ class GPT2(nn.Module):
             rows=rows,
             want_probs=output_attentions,
         )
+        if cache is not None and T == 1 and exact_kv_length and not output_attentions and input_ids.device.type == "cpu":
+            ctx.row_spans = [(1, position + 1) for position in positions[:, 0].tolist()]  # decode: keys 0..p
 
         x = self.wte(input_ids) + self.wpe(positions)  # [B, T, C]
         x, hidden, attentions = run_blocks(self.h, x, ctx, output_hidden_states)
@@ -306,6 +345,8 @@ class GPT2(nn.Module):
             want_probs=False,
             packing=packing,
         )
+        if input_ids.device.type == "cpu":
+            ctx.row_spans = packed_row_spans(packing)
         x = (self.wte(input_ids) + self.wpe(packing.positions))[None]  # [1, N, C]
         x, hidden, _ = run_blocks(self.h, x, ctx, output_hidden_states)
         return head_output(self.ln_f(x[0]), self.lm_head, False, None, hidden)

@@ -1,0 +1,64 @@
+"""A row's logits do not depend on its batch on CPU: prefilled packed beside rows of other
+lengths, and decoded beside rows that read more keys, each row's logits are bit-identical to
+the same row run alone, for float and int8 weights alike (docs/batch-invariance.md)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from model.kv_cache import KVCache
+from model.linear import int8_problem
+from service.engine.forward import forward_from
+from tests.model.hf_reference import random_ids
+from weights.checkpoint import load_model
+
+# Prompt lengths: one token, under and over a vector of 8 floats, and more than 32 keys.
+LENGTHS = [1, 3, 10, 17, 40]
+DECODE_STEPS = 4
+# Batches, as indices into LENGTHS: the row alone, then beside shorter and longer rows.
+BATCHES = [[0, 1], [2, 4], [3, 1, 4], [4, 2, 0, 3], [1, 2, 3, 4, 0]]
+
+
+@pytest.fixture(scope="module", params=["none", "int8"])
+def model(request, tiny_model_dir):
+    if request.param == "int8" and int8_problem("cpu", torch.float32) is not None:
+        pytest.skip(int8_problem("cpu", torch.float32))
+    model = load_model(tiny_model_dir)
+    model.quantize(request.param)
+    return model
+
+
+@torch.inference_mode()
+def run_batch(model, prompts: list[list[int]], slots: list[int]) -> list[list[torch.Tensor]]:
+    """Per row: its prefill logits [n, V], then one [V] per decode step (greedy, as the engine
+    decodes: one packed prefill forward, then [B, 1] forwards over the cache)."""
+    cache = KVCache(model.config, max_slots=max(slots) + 1, max_len=64)
+    prefill = forward_from(model, cache, slots, [0] * len(prompts), prompts, every_position=True).logits  # [N, V]
+    per_row = [[logits] for logits in prefill.split([len(p) for p in prompts])]
+    tokens = [row[0][-1].argmax().item() for row in per_row]
+    lengths = [len(p) for p in prompts]
+    for _ in range(DECODE_STEPS):
+        out = model(
+            torch.tensor([[token] for token in tokens]),
+            torch.tensor([[length] for length in lengths]),
+            cache,
+            cache.batch(slots),
+            kv_length=max(lengths) + 1,
+        ).logits[:, -1]  # [B, V]
+        for row, logits in zip(per_row, out):
+            row.append(logits)
+        tokens = out.argmax(-1).tolist()
+        lengths = [length + 1 for length in lengths]
+    return per_row
+
+
+def test_each_rows_logits_are_the_same_alone_and_in_any_batch(model):
+    prompts = [random_ids(model.config, batch=1, length=n, seed=n)[0].tolist() for n in LENGTHS]
+    alone = [run_batch(model, [prompt], [0])[0] for prompt in prompts]
+    for batch in BATCHES:
+        # Slots in reverse: the cache is gathered, not read through a view as a lone row's is.
+        together = run_batch(model, [prompts[i] for i in batch], list(range(len(batch)))[::-1])
+        for i, row in zip(batch, together):
+            for step, (got, expected) in enumerate(zip(row, alone[i])):
+                assert torch.equal(got, expected), (batch, LENGTHS[i], step, float((got - expected).abs().max()))
