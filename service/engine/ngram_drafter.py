@@ -3,7 +3,7 @@ llama.cpp's `ngram` drafts and transformers' `prompt_lookup_num_tokens` do.
 
 For the last n tokens of a sequence (n from `max_n` down to `min_n`, longest first) find their
 latest earlier occurrence in the prompt and output, and propose the (up to) k tokens that
-followed it. An index per sequence maps each n-gram to where its latest occurrence ended, and
+followed it (past the sequence's end, the copy repeats itself: a loop's draft goes round it). An index per sequence maps each n-gram to where its latest occurrence ended, and
 grows by `max_n - min_n + 1` entries per token, so drafting costs a few dictionary look-ups per
 sequence per step whatever the length (bench/bench_speculative.py measures it).
 """
@@ -31,6 +31,17 @@ class NgramSettings:
             raise ValueError(f"weight_pass_rows must be positive, got {self.weight_pass_rows}")
 
 
+def continuation(tokens: list[int], start: int, count: int) -> list[int]:
+    """`count` tokens copied from `start` on, the copy reading its own output past the end (an
+    overlapping copy, as LZ77's): a sequence in a loop of period p matches p tokens back, and its
+    draft goes on round the loop rather than stopping after p tokens."""
+    draft = tokens[start : start + count]
+    overlap = len(tokens) - start  # tokens between the match and the end: the loop's period
+    while len(draft) < count:
+        draft.append(draft[len(draft) - overlap])
+    return draft
+
+
 @dataclass
 class NgramIndex:
     """One sequence's n-gram → end of its latest occurrence that some token follows."""
@@ -48,7 +59,7 @@ class NgramIndex:
         for n in range(min(self.settings.max_n, len(tokens) - 1), self.settings.min_n - 1, -1):
             end = self.latest.get(tuple(tokens[-n:]))
             if end is not None:
-                return tokens[end : end + count]
+                return continuation(tokens, end, count)
         return []
 
     def _catch_up(self, tokens: list[int]) -> None:

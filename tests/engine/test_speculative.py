@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from service.engine.draft_policy import DraftAcceptance, acceptance_threshold, draft_length
-from service.engine.ngram_drafter import NgramIndex, NgramSettings
+from service.engine.ngram_drafter import NgramIndex, NgramSettings, continuation
 from service.engine.speculation import kept_length, speculates
 from service.engine.types import SamplingParams
 from tests.engine.conftest import make_request, random_prompt
@@ -85,8 +85,16 @@ def test_the_index_grows_with_the_sequence_and_never_proposes_its_own_end():
     tokens = [1, 2, 3]
     assert index.draft(tokens, 4) == []
     tokens += [1, 2]
-    assert index.draft(tokens, 4) == [3, 1, 2]  # stops at the sequence's end
+    assert index.draft(tokens, 4) == [3, 1, 2, 3]  # past the sequence's end, round the loop again
     assert len(index.latest) == 3  # (1,2) (2,3) (3,1): one entry per token per n, once
+
+
+def test_a_loop_is_drafted_round_and_round():
+    index = NgramIndex(NgramSettings(min_n=1, max_n=3, tokens=7))
+    # "8 9" last occurred 2 tokens back: the loop's period is 2, and the draft repeats it.
+    assert index.draft([5, 8, 9, 8, 9], limit=7) == [8, 9, 8, 9, 8, 9, 8]
+    assert NgramIndex(index.settings).draft([1, 2, 3, 4, 4], limit=3) == [4, 4, 4]  # period 1
+    assert continuation([1, 2, 3], 1, 2) == [2, 3]  # within the sequence: a plain copy
 
 
 def test_kept_length_stops_at_the_first_disagreement():
