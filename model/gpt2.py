@@ -300,15 +300,17 @@ class GPT2(nn.Module):
             raise ValueError("a cache needs the rows' slots")
         if kv_length is None:
             kv_length = int(positions.max()) + 1 if cache is not None else T
+        # CPU decode attends row by row over each row's own keys 0..p: no mask to build.
+        by_row = cache is not None and T == 1 and exact_kv_length and not output_attentions and input_ids.device.type == "cpu"
         ctx = AttentionInputs(
             positions=positions,
-            mask=self._attention_mask(positions, kv_length, cached=cache is not None, exact=exact_kv_length),
+            mask=None if by_row else self._attention_mask(positions, kv_length, cached=cache is not None, exact=exact_kv_length),
             kv_length=kv_length,
             cache=cache,
             rows=rows,
             want_probs=output_attentions,
         )
-        if cache is not None and T == 1 and exact_kv_length and not output_attentions and input_ids.device.type == "cpu":
+        if by_row:
             ctx.row_spans = [(1, position + 1) for position in positions[:, 0].tolist()]  # decode: keys 0..p
 
         x = self.wte(input_ids) + self.wpe(positions)  # [B, T, C]
