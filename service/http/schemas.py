@@ -391,7 +391,7 @@ class Info(BaseModel):
     max_body_bytes: int
     kv_cache: dict = Field(description="slots used and total right now, and whether prompts reuse cached prefixes")
     max_prefill_tokens_per_step: int = Field(description="prompt tokens one engine step prefills; longer prompts go in chunks")
-    speculative_decoding: dict = Field(description="n-gram drafts: method (null: off), n-gram sizes, tokens drafted per step")
+    speculative_decoding: dict = Field(description="n-gram drafts: method (null: off), n-gram sizes, the most tokens drafted per step, rows per weight pass (how drafts are priced)")
     version: str
 
     model_config = ConfigDict(protected_namespaces=())
