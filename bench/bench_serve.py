@@ -3,7 +3,7 @@ transformers' generate(), on the same weights in the same run.
 
     .venv/bin/python -m bench.bench_serve                        # CPU: 1 and 32 clients, fp32
     .venv/bin/python -m bench.bench_serve --device cuda --dtype float16 --clients 1 16 64 256
-    .venv/bin/python -m bench.bench_serve --quantize none int8 --clients 1 16 --no-reference   # side by side
+    .venv/bin/python -m bench.bench_serve --quantize none int8 int4 --clients 1 16 --no-reference   # side by side
     .venv/bin/python -m bench.bench_serve --quantize none int8 --llama-cpp build/llama.cpp/bin  # docs/llama-cpp.md
     .venv/bin/python -m bench.bench_serve --api-servers 1 2 --clients 32 --no-reference        # HTTP processes
 
@@ -46,7 +46,7 @@ from bench import llama_cpp_bench
 from bench.common import describe_machine, load_both
 from bench.llama_cpp import BUILD_ROOT, convert
 from model.config import DTYPES
-from model.linear import QUANTIZE_MODES
+from model.quantized import QUANTIZE_MODES
 from service.engine.types import GenerationRequest, SamplingParams
 from service.inprocess import Engine, EngineConfig
 from tests.processes import STARTUP_TIMEOUT_S, api_server_pids, clean_env, cpu_seconds, engine_core_pid, free_port

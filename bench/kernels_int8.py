@@ -13,8 +13,9 @@ float32 out, every conversion the kernel needs counted. Kernels:
   its own range, 8 bits where the CPU adds them exactly, results independent of the batch);
 - `_int_mm` int8: activations quantized per row in PyTorch, oneDNN's s8 x s8 -> s32 product;
 - `_weight_int8pack_mm` (int8 weights only) with float32 or bfloat16 activations;
-- int4, groups of 64: `_weight_int4pack_mm_for_cpu` (bfloat16 activations), and
-  `_dyn_quant_matmul_4bit` (groups of 32, activations quantized inside; KleidiAI on Arm).
+- int4, groups of 64: `_weight_int4pack_mm_for_cpu` with bfloat16 activations (as served:
+  `model.quantized.Int4Weight`) and with float32 ones, and `_dyn_quant_matmul_4bit` (groups of
+  32, activations quantized inside; KleidiAI on Arm).
 A kernel slower than 8x float32 at one row count is skipped at the larger ones. Also printed:
 each kernel's relative error against the float32 product, on the first matrix of each shape.
 Times are the best of --reps, interleaved (bench.common.interleaved).
@@ -31,7 +32,8 @@ import torch.nn.functional as F
 
 from bench.common import interleaved
 from bench.kernels import BLOCK_SHAPES, LAYERS, VOCAB
-from model.linear import Int8Weight, full_range_activations, linear, pack, quantize_per_channel
+from model.linear import linear, pack
+from model.quantized import Int4Weight, Int8Weight, full_range_activations, quantize_per_channel
 
 Kernel = Callable[[torch.Tensor], torch.Tensor]  # x [rows, in] float32 -> [rows, out] float32
 SLOWER_THAN_FLOAT = 8.0
@@ -61,28 +63,14 @@ def int8_weight_only(weight: torch.Tensor, bias: torch.Tensor | None, dtype: tor
     return lambda x: with_bias(torch._weight_int8pack_mm(x.to(dtype), qweight, scale), bias_d).float()
 
 
-def int4_groups(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Asymmetric int4 per group of `group` inputs: q in [0, 15], w = q * scale + low."""
-    n_out, n_in = weight.shape
-    grouped = weight.view(n_out, n_in // group, group)
-    low, high = grouped.amin(-1, keepdim=True), grouped.amax(-1, keepdim=True)
-    scale = ((high - low) / 15).clamp_min(1e-30)
-    q = torch.round((grouped - low) / scale).clamp(0, 15).to(torch.int32).view(n_out, n_in)
-    return q, scale.squeeze(-1), low.squeeze(-1)  # [out, in], [out, groups] x 2
-
-
-def int4_tinygemm(weight: torch.Tensor, bias: torch.Tensor | None, group: int = 64) -> Kernel:
-    n_out = len(weight)
-    padded = F.pad(weight, (0, 0, 0, -n_out % 16))  # the kernel wants out a multiple of 16 (the LM head is not)
-    q, scale, low = int4_groups(padded, group)
-    packed = torch._convert_weight_to_int4pack_for_cpu(q, 2)
-    # The kernel's convention: w = (q - 8) * scale + zero.
-    scales_zeros = torch.stack([scale, low + 8 * scale], dim=-1).transpose(0, 1).contiguous().bfloat16()
-    bias_b = None if bias is None else bias.bfloat16()
+def int4_float_activations(int4: Int4Weight, bias: torch.Tensor | None) -> Kernel:
+    """The served int4 weights, multiplied by float32 activations (the kernel then takes float32
+    scales and zeros)."""
+    scales_zeros = int4.scales_zeros.float()
 
     def run(x: torch.Tensor) -> torch.Tensor:
-        y = torch._weight_int4pack_mm_for_cpu(x.bfloat16(), packed, group, scales_zeros)[:, :n_out]
-        return with_bias(y, bias_b).float()
+        y = torch._weight_int4pack_mm_for_cpu(x, int4.packed, int4.group, scales_zeros)[:, :int4.shape[0]]
+        return with_bias(y, bias)
 
     return run
 
@@ -102,6 +90,7 @@ def kernels(weight: torch.Tensor, bias: torch.Tensor | None) -> dict[str, Kernel
     packed = pack(weight)
     per_tensor = torch.ops.quantized.linear_prepack(quantize_per_channel(weight), bias)
     served = Int8Weight(weight)
+    int4 = Int4Weight(weight)
     return {
         "fp32 oneDNN packed": lambda x: linear(x, weight, bias, packed),
         "fp32 F.linear": lambda x: F.linear(x, weight, bias),
@@ -110,7 +99,8 @@ def kernels(weight: torch.Tensor, bias: torch.Tensor | None) -> dict[str, Kernel
         "_int_mm int8 per-row act": int8_rows(weight, bias),
         "int8pack_mm fp32 act": int8_weight_only(weight, bias, torch.float32),
         "int8pack_mm bf16 act": int8_weight_only(weight, bias, torch.bfloat16),
-        "int4pack_mm g64 bf16 act": int4_tinygemm(weight, bias),
+        "int4pack_mm g64 bf16 act (served)": lambda x: int4(x, bias),
+        "int4pack_mm g64 fp32 act": int4_float_activations(int4, bias),
         "dyn_quant_matmul_4bit g32": int4_dynamic(weight, bias),
     }
 

@@ -1,6 +1,7 @@
 """What quantization costs in accuracy, measured as llama.cpp's `perplexity --kl-divergence` does.
 
-    .venv/bin/python -m bench.quant_error --model-dir weights/shakespeare
+    .venv/bin/python -m bench.quant_error --model-dir weights/shakespeare                   # int8
+    .venv/bin/python -m bench.quant_error --model-dir weights/shakespeare --quantize int4
     .venv/bin/python -m bench.quant_error --model-dir weights/gpt2 --max-windows 32 --batch 1   # random init
 
 The float model and the quantized one (`GPT2.quantize`, as the engine core serves it) read the
@@ -23,21 +24,13 @@ import numpy as np
 import torch
 
 from model.gpt2 import GPT2
-from model.linear import Int8Weight
+from model.quantized import QUANTIZE_MODES
 from weights.checkpoint import load_model
 from weights.corpus import load_corpus
 from weights.prepare import CACHE_DIR
 from weights.tokenizer import GPT2Tokenizer
 from weights.train import token_stream
 from weights.trainer import heldout_windows
-
-
-def served_weight_bytes(model: GPT2) -> int:
-    """Bytes of the weights as served: the float parameters still held (released ones are meta
-    tensors), plus the copies the products read (oneDNN's packed float ones, or int8)."""
-    held = sum(p.numel() * p.element_size() for p in model.parameters() if p.device.type != "meta")
-    copies = [c for m in model.modules() for name, c in vars(m).items() if name in ("packed", "_lm_head_packed")]
-    return held + sum(c.nbytes if isinstance(c, Int8Weight) else c.numel() * c.element_size() for c in copies if c is not None)
 
 
 def compare(reference: GPT2, quantized: GPT2, windows: list[np.ndarray], batch: int) -> dict:
@@ -71,7 +64,8 @@ def compare(reference: GPT2, quantized: GPT2, windows: list[np.ndarray], batch: 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model-dir", type=Path, default=Path("weights/shakespeare"))
-    parser.add_argument("--quantize", default="int8", help="the mode to compare with float32 (GPT2.quantize)")
+    parser.add_argument("--quantize", default="int8", choices=[m for m in QUANTIZE_MODES if m != "none"],
+                        help="the mode to compare with float32 (GPT2.quantize)")
     parser.add_argument("--max-windows", type=int, default=None, help="score only the first N windows")
     parser.add_argument("--batch", type=int, default=2, help="windows per forward")
     parser.add_argument("--threads", type=int, default=None)
@@ -94,11 +88,11 @@ def main(argv: list[str] | None = None) -> None:
           f"{', '.join(w.title for w in held)}")
     print(f"{result['tokens']:,} tokens scored in {len(windows)} windows ({time.perf_counter() - started:.0f} s)\n")
     ppl_ref, ppl_q = math.exp(result["nll_reference"]), math.exp(result["nll_quantized"])
-    bytes_ref, bytes_q = served_weight_bytes(reference), served_weight_bytes(quantized)
+    bytes_ref, bytes_q = reference.served_weight_bytes(), quantized.served_weight_bytes()
     print(f"{'weights':10s} {'perplexity':>11s} {'NLL nats/token':>15s} {'served weight MB':>17s}")
     print(f"{'float32':10s} {ppl_ref:11.3f} {result['nll_reference']:15.5f} {bytes_ref / 1e6:17.1f}")
     print(f"{args.quantize:10s} {ppl_q:11.3f} {result['nll_quantized']:15.5f} {bytes_q / 1e6:17.1f}"
-          f"   perplexity {100 * (ppl_q / ppl_ref - 1):+.3f}%")
+          f"   perplexity {100 * (ppl_q / ppl_ref - 1):+.3f}%, served weights {100 * bytes_q / bytes_ref:.1f}% of float32's")
     print(f"\nKL(float32 || {args.quantize}) per token, nats: mean {result['kl_mean']:.6f}, "
           f"99th percentile {result['kl_p99']:.6f}, max {result['kl_max']:.4f}")
     print(f"top-1 agreement: {100 * result['top1_agreement']:.3f}%")

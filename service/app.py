@@ -20,7 +20,7 @@ from asgi_correlation_id import CorrelationIdMiddleware
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
-from model.linear import int8_problem
+from model.quantized import quantize_problem
 from service.analysis import inspection
 from service.analysis import routes as analysis_routes
 from service.analysis.startup import prepare_analysis
@@ -40,7 +40,7 @@ from service.http.request_guards import FramingMiddleware, HostAllowListMiddlewa
 from service.http.request_context import HEADER, REQUEST_ID_OPTIONS
 from service.settings import Settings
 from service.http.state import ServiceState
-from weights.checkpoint import load_model
+from weights.checkpoint import load_config, load_model
 from weights.prepare import read_origin
 from weights.tokenizer import GPT2Tokenizer
 
@@ -77,11 +77,11 @@ def core_config(settings: Settings, context_length: int, eos_token_id: int) -> C
         speculative=settings.speculation,
         static_decode=settings.cuda_graphs and settings.device == "cuda",
     )
-    if settings.quantize != "none":
-        # Refused here, before a core is spawned: `python -m service` prints it as one line.
-        problem = int8_problem(settings.device, settings.torch_dtype)
-        if problem is not None:
-            raise ValueError(problem)
+    # Refused here, before a core is spawned: `python -m service` prints it as one line.
+    problem = quantize_problem(settings.quantize, settings.device, settings.torch_dtype,
+                               load_config(settings.model_dir) if settings.quantize == "int4" else None)
+    if problem is not None:
+        raise ValueError(problem)
     return CoreProcessConfig(
         model_dir=settings.model_dir,
         device=settings.device,

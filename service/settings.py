@@ -35,10 +35,11 @@ class Settings(BaseSettings):
     port: int = Field(8000, ge=1, le=65535)
     device: Literal["cpu", "cuda"] = "cpu"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    quantize: Literal["none", "int8"] = Field(
+    quantize: Literal["none", "int8", "int4"] = Field(
         "none",
-        description="weights the engine core generates with: none (--dtype's) or int8 (CPU, float32 activations:"
-        " int8 per output channel on FBGEMM); the /analyze routes always read the float weights",
+        description="weights the engine core generates with: none (--dtype's), int8 (CPU, float32 activations:"
+        " int8 per output channel on FBGEMM) or int4 (CPU, float32 activations: int4 in groups of 64 inputs,"
+        " bfloat16 products, int8 token embedding); the /analyze routes always read the float weights",
     )
     threads: int | None = Field(None, ge=1, description="torch intra-op threads (CPU); default: torch's choice")
     cuda_graphs: bool = Field(True, description="on CUDA, replay decode steps as CUDA graphs captured at start-up")

@@ -92,3 +92,14 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: 
 @pytest.fixture(scope="session")
 def tokenizer(default_model_dir: Path) -> GPT2Tokenizer:
     return GPT2Tokenizer.from_dir(default_model_dir)
+
+
+@pytest.fixture(scope="module", params=["int8", "int4"])
+def quantize_mode(request: pytest.FixtureRequest) -> str:
+    """Each quantized mode, where this machine can serve it on the CPU in float32 (else skipped, saying why)."""
+    from model.quantized import quantize_problem
+
+    problem = quantize_problem(request.param, "cpu", torch.float32)
+    if problem is not None:
+        pytest.skip(problem)
+    return request.param

@@ -23,7 +23,7 @@ import torch
 import zmq
 
 from model.config import DTYPES
-from model.linear import full_range_activations
+from model.quantized import QUANTIZE_METHODS, full_range_activations
 from service.engine.core import EngineConfig, EngineCore
 from service.engine.protocol import (
     AbortRequests,
@@ -56,7 +56,7 @@ class CoreProcessConfig:
     # One per HTTP process, which binds them: its PUSH socket (the core's input) and its PULL.
     input_addresses: tuple[str, ...] = ()
     output_addresses: tuple[str, ...] = ()
-    quantize: str = "none"  # a model.linear.QUANTIZE_MODES name; this process's model only
+    quantize: str = "none"  # a model.quantized.QUANTIZE_MODES name; this process's model only
 
 
 def run_core(config: CoreProcessConfig) -> None:
@@ -95,9 +95,13 @@ def build_core(config: CoreProcessConfig) -> EngineCore:
     model = load_model(config.model_dir, device=config.device, dtype=DTYPES[config.dtype])
     if config.quantize != "none":
         # Here only: the HTTP process's copy, which the analysis routes read, stays float.
+        float_bytes = model.served_weight_bytes()
         model.quantize(config.quantize)
-        log.info("serving %s weights (model.linear.Int8Weight), 8-bit activations: %s",
-                 config.quantize, full_range_activations())
+        served = model.served_weight_bytes()
+        detail = f", 8-bit activations: {full_range_activations()}" if config.quantize == "int8" else ""
+        log.info("serving %s weights (%s): %.1f MB, %.1f%% of %s's %.1f MB%s", config.quantize,
+                 QUANTIZE_METHODS[config.quantize], served / 1e6, 100 * served / float_bytes, config.dtype,
+                 float_bytes / 1e6, detail)
     return EngineCore(model, config.eos_token_id, config.engine)
 
 

@@ -9,7 +9,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from model.linear import QUANTIZE_METHODS
+from model.quantized import QUANTIZE_METHODS
 from service.common.errors import error_response
 from service.http.schemas import Info
 from service.http.state import service_state

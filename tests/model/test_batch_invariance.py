@@ -1,6 +1,6 @@
 """A row's logits do not depend on its batch on CPU: prefilled packed beside rows of other
 lengths, and decoded beside rows that read more keys, each row's logits are bit-identical to
-the same row run alone, for float and int8 weights alike (docs/batch-invariance.md)."""
+the same row run alone, for float, int8 and int4 weights alike (docs/batch-invariance.md)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from model.kv_cache import KVCache
-from model.linear import int8_problem
+from model.quantized import quantize_problem
 from service.engine.forward import forward_from
 from tests.model.hf_reference import random_ids
 from weights.checkpoint import load_model
@@ -20,10 +20,11 @@ DECODE_STEPS = 4
 BATCHES = [[0, 1], [2, 4], [3, 1, 4], [4, 2, 0, 3], [1, 2, 3, 4, 0]]
 
 
-@pytest.fixture(scope="module", params=["none", "int8"])
+@pytest.fixture(scope="module", params=["none", "int8", "int4"])
 def model(request, tiny_model_dir):
-    if request.param == "int8" and int8_problem("cpu", torch.float32) is not None:
-        pytest.skip(int8_problem("cpu", torch.float32))
+    problem = quantize_problem(request.param, "cpu", torch.float32)
+    if problem is not None:
+        pytest.skip(problem)
     model = load_model(tiny_model_dir)
     model.quantize(request.param)
     return model

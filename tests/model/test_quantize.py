@@ -1,4 +1,4 @@
-"""int8 weights (`GPT2.quantize("int8")`, model/linear.py's Int8Weight): each product stays within
+"""int8 weights (`GPT2.quantize("int8")`, model/quantized.py's Int8Weight): each product stays within
 the error its two quantization steps allow, a row's result does not depend on its batch, and a
 quantized model's next-token distributions stay close to the float model's."""
 
@@ -8,10 +8,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import model.linear as linear_module
+import model.quantized as quantized_module
 from model.generate import greedy_generate, greedy_generate_uncached
 from model.gpt2 import GPT2
-from model.linear import QUANTIZE_MODES, Conv1D, Int8Weight, full_range_activations, int8_problem
+from model.linear import Conv1D
+from model.quantized import QUANTIZE_MODES, Int8Weight, full_range_activations, int8_problem
 from service.settings import Settings
 from tests.conftest import TINY
 from tests.model.hf_reference import random_ids
@@ -59,7 +60,7 @@ def activation_bits(request, monkeypatch):
     """Both activation grids: 8 bits where this CPU adds them exactly, and the 7 bits others get."""
     if request.param == "8-bit" and not full_range_activations():
         pytest.skip("this CPU's FBGEMM saturates 8-bit activations")
-    monkeypatch.setattr(linear_module, "full_range_activations", lambda: request.param == "8-bit")
+    monkeypatch.setattr(quantized_module, "full_range_activations", lambda: request.param == "8-bit")
     return request.param
 
 
@@ -124,56 +125,73 @@ def test_constant_and_zero_rows_give_the_bias_plus_the_exact_constant_product():
     assert torch.allclose(int8(x, bias), F.linear(x, int8.dequantized(), bias), atol=1e-5)
 
 
+def float_and_quantized(model_dir, mode: str) -> tuple[GPT2, GPT2]:
+    quantized = load_model(model_dir)
+    quantized.quantize(mode)
+    return load_model(model_dir), quantized
+
+
+def assert_every_product_quantized(float_model: GPT2, quantized: GPT2, weight_class: type) -> None:
+    """Every Conv1D and the LM head read `weight_class` weights, the blocks' float ones are
+    released, and the state_dict keeps the checkpoint's names and shapes."""
+    convs = [m for m in quantized.modules() if isinstance(m, Conv1D)]
+    assert len(convs) == 4 * quantized.config.n_layer
+    assert all(isinstance(m.packed, weight_class) and m.weight.device.type == "meta" for m in convs)
+    assert isinstance(quantized._lm_head_packed, weight_class)
+    assert {k: v.shape for k, v in quantized.state_dict().items()} == {k: v.shape for k, v in float_model.state_dict().items()}
+    assert float_model.quantization == "none"
+
+
 @pytest.fixture(scope="module")
 def models(tiny_model_dir):
-    float_model = load_model(tiny_model_dir)
-    int8_model = load_model(tiny_model_dir)
-    int8_model.quantize("int8")
-    return float_model, int8_model
+    return float_and_quantized(tiny_model_dir, "int8")
 
 
 def test_quantize_replaces_every_product_and_keeps_the_embedding(models, tiny_model_dir):
     float_model, int8_model = models
-    convs = [m for m in int8_model.modules() if isinstance(m, Conv1D)]
-    assert len(convs) == 4 * int8_model.config.n_layer
-    assert all(isinstance(m.packed, Int8Weight) and m.weight.device.type == "meta" for m in convs)
-    assert isinstance(int8_model._lm_head_packed, Int8Weight)
+    assert_every_product_quantized(float_model, int8_model, Int8Weight)
+    assert int8_model.quantization == "int8"
     assert torch.equal(int8_model.wte.weight, float_model.wte.weight)  # the lookup stays float
-    assert int8_model.quantization == "int8" and float_model.quantization == "none"
-    # The shapes stay the checkpoint's; the float copies are gone.
-    assert {k: v.shape for k, v in int8_model.state_dict().items()} == {k: v.shape for k, v in float_model.state_dict().items()}
     untouched = load_model(tiny_model_dir)
     untouched.quantize("none")
     assert not any(isinstance(m.packed, Int8Weight) for m in untouched.modules() if isinstance(m, Conv1D))
 
 
 @torch.inference_mode()
-def test_int8_logits_stay_close_to_float(models):
-    float_model, int8_model = models
+def next_token_agreement(float_model: GPT2, quantized_model: GPT2) -> tuple[float, float, float]:
+    """KL(float || quantized) mean, top-1 agreement and the largest log-probability difference,
+    over 8 random sequences of 64 tokens."""
     ids = random_ids(float_model.config, batch=8, length=64, seed=11)  # [8, 64]
     logp = float_model(ids).logits.log_softmax(-1)  # [8, 64, V]
-    logq = int8_model(ids).logits.log_softmax(-1)
+    logq = quantized_model(ids).logits.log_softmax(-1)
     kl = (logp.exp() * (logp - logq)).sum(-1)  # [8, 64]
     top1 = (logp.argmax(-1) == logq.argmax(-1)).double().mean()
-    assert kl.mean() < TINY_KL_MEAN, float(kl.mean())
-    assert top1 >= TINY_TOP1, float(top1)
-    assert (logp - logq).abs().max() > 0  # the int8 path ran
+    return float(kl.mean()), float(top1), float((logp - logq).abs().max())
+
+
+def test_int8_logits_stay_close_to_float(models):
+    kl_mean, top1, largest = next_token_agreement(*models)
+    assert kl_mean < TINY_KL_MEAN and top1 >= TINY_TOP1, (kl_mean, top1)
+    assert largest > 0  # the int8 path ran
 
 
 @torch.inference_mode()
+def cached_decode_is_its_own_full_forward(model: GPT2) -> bool:
+    """Per-row products: a token's logits are the same whether it is decoded against the cache
+    or recomputed with its whole prefix (only attention's float sums differ)."""
+    prompt = random_ids(model.config, batch=2, length=7, seed=12)
+    return torch.equal(greedy_generate(model, prompt, 12), greedy_generate_uncached(model, prompt, 12))
+
+
 def test_int8_cached_decode_equals_its_own_full_forward(models):
-    # Per-row products: a token's logits are the same whether it is decoded against the cache
-    # or recomputed with its whole prefix (only attention's float sums differ).
-    _, int8_model = models
-    prompt = random_ids(int8_model.config, batch=2, length=7, seed=12)
-    assert torch.equal(greedy_generate(int8_model, prompt, 12), greedy_generate_uncached(int8_model, prompt, 12))
+    assert cached_decode_is_its_own_full_forward(models[1])
 
 
 def test_refusals_name_the_reason():
     assert "cpu" in int8_problem("cuda", torch.float32).lower()
     assert "float32" in int8_problem("cpu", torch.bfloat16)
-    with pytest.raises(ValueError, match="int4"):
-        GPT2(TINY.with_(vocab_size=64)).quantize("int4")
+    with pytest.raises(ValueError, match="int3"):
+        GPT2(TINY.with_(vocab_size=64)).quantize("int3")
 
 
 def test_settings_offer_exactly_the_model_modes():

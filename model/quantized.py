@@ -1,0 +1,255 @@
+"""Quantized weights: what `GPT2.quantize` makes the engine core's products read (`--quantize`).
+
+int8 (`Int8Weight`): per-output-channel symmetric int8 weights on FBGEMM's dynamic int8 linear,
+chosen by bench/kernels_int8.py (docs/performance.md, "int8 and int4 weights"): a decode step's
+products take 2.4-3.2x fewer milliseconds than packed float32 at one row, 1.5-2.2x at 16-32 rows.
+FBGEMM quantizes its input with one scale for the whole matrix; `Int8Weight` gives each row its
+own instead (below), so a row's result never depends on the rows beside it.
+
+int4 (`Int4Weight`): asymmetric int4 per group of 64 inputs on torch's weight-only int4 kernel for
+the CPU, with bfloat16 activations: the fastest product measured here at one row (about twice
+int8's speed), slower than int8 from ~16 rows. Its model also looks tokens up in an int8 copy of
+the embedding (`Int8Rows`), so the float table, a sixth of GPT-2 124M's bytes, is released.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+from model.config import GPT2Config
+
+QUANTIZE_MODES = ("none", "int8", "int4")
+QUANTIZE_METHODS = {
+    "int8": "int8 weights (symmetric, per output channel) x int8 activations (per row); FBGEMM's dynamic int8 linear",
+    "int4": "int4 weights (asymmetric, groups of 64 inputs) x bfloat16 activations; torch's _weight_int4pack_mm_for_cpu;"
+    " token embedding int8 (symmetric, per row)",
+}
+TINY = torch.finfo(torch.float32).tiny
+INT4_GROUP = 64  # inputs sharing one scale and zero
+INT4_TILE = 16  # the kernel packs output channels 16 at a time: a weight's rows are padded to a multiple
+# The ops int4 weights need; `int4_problem` refuses a torch build without them.
+INT4_OPS = ("_convert_weight_to_int4pack_for_cpu", "_weight_int4pack_mm_for_cpu")
+
+
+def int8_problem(device: torch.device | str, dtype: torch.dtype) -> str | None:
+    """Why int8 weights cannot serve this device and dtype, in one line; None when they can."""
+    if torch.device(device).type != "cpu":
+        return f"--quantize int8 runs on the CPU (FBGEMM's int8 linear), not on {torch.device(device).type}"
+    if dtype != torch.float32:
+        return f"--quantize int8 takes float32 activations (--dtype float32), not {str(dtype).removeprefix('torch.')}"
+    if "fbgemm" not in torch.backends.quantized.supported_engines or not hasattr(torch.ops.quantized, "linear_dynamic"):
+        return f"--quantize int8 needs FBGEMM, which this torch build ({torch.__version__}) lacks"
+    return None
+
+
+def int4_problem(device: torch.device | str, dtype: torch.dtype) -> str | None:
+    """Why int4 weights cannot serve this device and dtype, in one line; None when they can."""
+    if torch.device(device).type != "cpu":
+        return f"--quantize int4 runs on the CPU (torch's _weight_int4pack_mm_for_cpu), not on {torch.device(device).type}"
+    if dtype != torch.float32:
+        return (f"--quantize int4 takes float32 activations (--dtype float32; each product reads them in bfloat16),"
+                f" not {str(dtype).removeprefix('torch.')}")
+    missing = [op for op in INT4_OPS if not hasattr(torch.ops.aten, op)]
+    if missing:
+        return f"--quantize int4 needs torch's {', '.join(missing)}, which this torch build ({torch.__version__}) lacks"
+    return None
+
+
+def quantize_problem(mode: str, device: torch.device | str, dtype: torch.dtype, config: GPT2Config | None = None) -> str | None:
+    """Why `mode` cannot serve this device, dtype (and model, when given), in one line; None when it can."""
+    if mode == "none":
+        return None
+    problem = {"int8": int8_problem, "int4": int4_problem}[mode](device, dtype)
+    if problem is None and mode == "int4" and config is not None:
+        widths = sorted({w for w in (config.n_embd, config.inner_dim) if w % INT4_GROUP})
+        if widths:
+            return (f"--quantize int4 groups a product's inputs by {INT4_GROUP}, and this model's products take"
+                    f" {' and '.join(map(str, widths))}")
+    return problem
+
+
+class QuantizedWeight:
+    """A weight [out, in] a product reads in fewer bits than float32; it replaces the float one."""
+
+    shape: tuple[int, int]  # (out, in)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the served weight takes, every scale included."""
+        raise NotImplementedError
+
+    def dequantized(self) -> torch.Tensor:
+        """The float32 weight [out, in] this one stands for."""
+        raise NotImplementedError
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None, gelu: bool = False) -> torch.Tensor:
+        """x [..., in] float32 -> x @ W.T + bias [..., out] float32, then GPT-2's tanh GELU if asked."""
+        raise NotImplementedError
+
+
+def gelu_if(y: torch.Tensor, gelu: bool) -> torch.Tensor:
+    return F.gelu(y, approximate="tanh") if gelu else y
+
+
+# --- int8 ---------------------------------------------------------------------------------------
+def quantize_per_channel(weight: torch.Tensor) -> torch.Tensor:
+    """[out, in] float -> qint8, symmetric per output channel: scale = max |w| of the row / 127."""
+    scale = weight.abs().amax(dim=1).clamp_min(TINY) / 127  # [out]
+    with warnings.catch_warnings():  # quantized tensors are deprecated; FBGEMM's op still takes them
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.quantize_per_channel(
+            weight, scale.double(), torch.zeros(len(weight), dtype=torch.long), 0, torch.qint8
+        )
+
+
+@functools.cache
+def full_range_activations() -> bool:
+    """Whether FBGEMM multiplies 8-bit activations exactly on this CPU.
+
+    Without VNNI its kernels add pairs of uint8 x int8 products in 16 bits (vpmaddubsw), which
+    saturate above 32767, and 255 x 127 x 2 is 64770; PyTorch's answer is reduce_range (7-bit
+    activations). With VNNI (vpdpbusd) the sums are 32-bit and 8 bits are exact. Probed with
+    exactly that case: 63 inputs at +1 (uint8 255) against weights at +-127.
+    """
+    weight = torch.ones(2, 64)
+    weight[1] = -1.0
+    x = torch.ones(1, 64)
+    x[0, -1] = -1.0  # the range [-1, 1]: +1 quantizes to 255
+    y = torch.ops.quantized.linear_dynamic(x, torch.ops.quantized.linear_prepack(quantize_per_channel(weight), None), False)
+    return bool(torch.allclose(y, x @ weight.t(), atol=1.0))  # exact: +-62; saturated: about +-31
+
+
+class Int8Weight(QuantizedWeight):
+    """A weight [out, in] as symmetric int8 per output channel, prepacked for FBGEMM's dynamic
+    int8 linear, which quantizes its float input to uint8 itself.
+
+    FBGEMM picks one affine scale for the whole [M, in] input, from its min and max: a row's
+    rounding would depend on the other rows of the batch (a seeded request's tokens on its
+    neighbours), and a row that spans a small range would share the coarse steps of one that
+    spans a wide one. So each row is mapped affinely onto [-1, 1] first (x = center + half * u),
+    and a fixed row [1, -1, 0, ...] is appended: every call sees min -1 and max 1, every row gets
+    the same grid whatever the batch, and W x = half * (W u) + center * (W 1) after the integer
+    product. Integer sums are exact, so a row's output is bit-identical alone and in any batch.
+    Activations get 8 bits where the CPU adds them exactly (`full_range_activations`), else 7.
+    """
+
+    def __init__(self, weight_out_in: torch.Tensor) -> None:
+        n_out, n_in = weight_out_in.shape
+        if n_in < 2:
+            raise ValueError(f"an int8 weight needs at least 2 inputs, not {n_in}")
+        qweight = quantize_per_channel(weight_out_in.detach().float())
+        self.prepacked = torch.ops.quantized.linear_prepack(qweight, None)
+        self.shape = (n_out, n_in)
+        self.row_sums = qweight.dequantize().sum(dim=1)  # [out]: W 1, of the weights as quantized
+        self.bounds = torch.zeros(1, n_in)  # [1, in]: the fixed row [1, -1, 0, ...]
+        self.bounds[0, :2] = torch.tensor([1.0, -1.0])
+        self.reduce_range = not full_range_activations()
+
+    @property
+    def nbytes(self) -> int:
+        """int8 values plus float32 scales and row sums."""
+        return self.shape[0] * self.shape[1] + 8 * self.shape[0]
+
+    def dequantized(self) -> torch.Tensor:
+        return torch.ops.quantized.linear_unpack(self.prepacked)[0].dequantize()
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None, gelu: bool = False) -> torch.Tensor:
+        # Few and in-place ops: at one row each costs about what its arithmetic does.
+        rows = x.reshape(-1, self.shape[1])  # [M, in]
+        low, high = torch.aminmax(rows, dim=1, keepdim=True)  # [M, 1] each
+        center = low.lerp(high, 0.5)  # [M, 1]
+        half = high.sub(center).clamp_min_(TINY)  # [M, 1]
+        # clamp: (low - center) / half may round one ulp below -1, which would move FBGEMM's grid.
+        unit = rows.sub(center).div_(half).clamp_(-1.0, 1.0)  # [M, in]
+        out = torch.ops.quantized.linear_dynamic(torch.cat([unit, self.bounds]), self.prepacked, self.reduce_range)
+        offset = center * self.row_sums if bias is None else torch.addcmul(bias, center, self.row_sums)  # [M, out]
+        y = offset.addcmul_(out[:-1], half).view(*x.shape[:-1], self.shape[0])
+        return gelu_if(y, gelu)
+
+
+class Int8Rows:
+    """An embedding table [V, C] as symmetric int8 per row (scale = max |row| / 127): a lookup
+    gathers the int8 rows, then scales them. A quarter of float32's bytes."""
+
+    def __init__(self, table: torch.Tensor) -> None:
+        qtable = quantize_per_channel(table.detach().float())
+        self.values = qtable.int_repr()  # [V, C] int8
+        self.scales = qtable.q_per_channel_scales().float()  # [V]
+
+    @property
+    def nbytes(self) -> int:
+        return self.values.numel() + 4 * len(self.scales)
+
+    def dequantized(self) -> torch.Tensor:
+        """The float32 table [V, C] this one stands for."""
+        return self.values.float() * self.scales[:, None]
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [...] -> their rows [..., C], float32."""
+        return self.values[ids].float().mul_(self.scales[ids].unsqueeze(-1))
+
+
+# --- int4 ---------------------------------------------------------------------------------------
+def int4_groups(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[out, in] float -> asymmetric int4 per group of `group` inputs, in the kernel's convention
+    w = (q - 8) * scale + zero: q [out, in] int32 in [0, 15], scale and zero [out, in / group]
+    bfloat16 (the kernel's). Each group's range [min, max] spans 15 steps; scale and zero are
+    rounded to bfloat16 before q is, so q rounds to the grid the kernel will use."""
+    n_out, n_in = weight.shape
+    grouped = weight.view(n_out, n_in // group, group)  # [out, groups, group]
+    low, high = grouped.aminmax(dim=-1)  # [out, groups] each
+    scale = ((high - low) / 15).clamp_min(TINY).bfloat16()
+    zero = (low + 8 * scale.float()).bfloat16()
+    q = torch.round((grouped - zero.float()[..., None]) / scale.float()[..., None] + 8).clamp_(0, 15)
+    return q.to(torch.int32).view(n_out, n_in), scale, zero
+
+
+class Int4Weight(QuantizedWeight):
+    """A weight [out, in] as asymmetric int4 per group of `group` inputs, packed for torch's
+    weight-only int4 product on the CPU (`_weight_int4pack_mm_for_cpu`, tinygemm's layout).
+
+    The kernel multiplies bfloat16 activations (float32 ones run ~10x slower on AVX2, see
+    bench/kernels_int8.py): each row is rounded to bfloat16, the products are summed in float32,
+    and the result comes back in bfloat16; bias and GELU are then applied in float32. The
+    kernel computes each row on its own, so a row's output is bit-identical alone and in any
+    batch (tested). Rows are padded to a multiple of 16 (the LM head's 50257 is not one).
+    """
+
+    def __init__(self, weight_out_in: torch.Tensor, group: int = INT4_GROUP) -> None:
+        n_out, n_in = weight_out_in.shape
+        if n_in % group:
+            raise ValueError(f"int4 weights group their inputs by {group}: {n_in} inputs is not a multiple of {group}")
+        weight = F.pad(weight_out_in.detach().float(), (0, 0, 0, -n_out % INT4_TILE))  # [out padded, in]
+        q, scale, zero = int4_groups(weight, group)
+        self.packed = torch._convert_weight_to_int4pack_for_cpu(q, 2)  # [out padded, in / 2] uint8
+        self.scales_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()  # [in / group, out padded, 2]
+        self.group = group
+        self.shape = (n_out, n_in)
+
+    @property
+    def nbytes(self) -> int:
+        """Packed int4 values plus bfloat16 scales and zeros (padding rows included)."""
+        return self.packed.nbytes + self.scales_zeros.nbytes
+
+    def dequantized(self) -> torch.Tensor:
+        # The kernel on float32 activations dequantizes in float32 exactly; against the identity
+        # its output is the weight itself, [in, out].
+        identity = torch.eye(self.shape[1])
+        weight_t = torch._weight_int4pack_mm_for_cpu(identity, self.packed, self.group, self.scales_zeros.float())
+        return weight_t.t()[: self.shape[0]].contiguous()
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None, gelu: bool = False) -> torch.Tensor:
+        n_out, n_in = self.shape
+        rows = x.reshape(-1, n_in).bfloat16()  # [M, in]
+        y = torch._weight_int4pack_mm_for_cpu(rows, self.packed, self.group, self.scales_zeros)  # [M, out padded]
+        y = y[:, :n_out].float()  # [M, out], a fresh tensor
+        if bias is not None:
+            y.add_(bias)
+        return gelu_if(y.view(*x.shape[:-1], n_out), gelu)
+
+
+QUANTIZED_WEIGHTS: dict[str, type[QuantizedWeight]] = {"int8": Int8Weight, "int4": Int4Weight}
