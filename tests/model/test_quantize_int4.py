@@ -111,6 +111,19 @@ def test_int4_weights_round_each_group_to_its_own_grid():
     assert int4.nbytes == 16 * 128 // 2 + 2 * 16 * 2 * 2  # int4 values + bfloat16 scale and zero per group
 
 
+def test_each_weight_rounds_to_the_nearest_level_of_the_kernels_grid():
+    # The kernel reads w = (q - 8) * scale + zero with scale and zero in bfloat16: q must round
+    # against those, not against the float32 range they came from (up to 2^-8 * 8 steps away).
+    generator = torch.Generator().manual_seed(6)
+    weight = torch.randn(32, 128, generator=generator) * 0.05 + torch.rand(32, 1, generator=generator)
+    int4 = Int4Weight(weight)
+    scale, zero = (int4.scales_zeros[..., i].float().t().repeat_interleave(64, dim=1) for i in (0, 1))  # [out, in]
+    error = (int4.dequantized() - weight).abs()
+    inside = (weight >= zero - 8 * scale) & (weight <= zero + 7 * scale)  # past the grid's ends: clamped
+    assert inside.float().mean() > 0.9
+    assert (error[inside] <= scale[inside] / 2 * (1 + 2**-20)).all(), float((error / scale)[inside].max())
+
+
 def test_inputs_not_grouped_by_64_are_refused():
     with pytest.raises(ValueError, match="96 inputs is not a multiple of 64"):
         Int4Weight(torch.randn(16, 96))
