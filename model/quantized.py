@@ -7,9 +7,10 @@ FBGEMM quantizes its input with one scale for the whole matrix; `Int8Weight` giv
 own instead (below), so a row's result never depends on the rows beside it.
 
 int4 (`Int4Weight`): asymmetric int4 per group of 64 inputs on torch's weight-only int4 kernel for
-the CPU, with bfloat16 activations: the fastest product measured here at one row (about twice
-int8's speed), slower than int8 from ~16 rows. Its model also looks tokens up in an int8 copy of
-the embedding (`Int8Rows`), so the float table, a sixth of GPT-2 124M's bytes, is released.
+the CPU, with bfloat16 activations: at one row 1.6-2.2x int8's speed on an AVX-512 host, about
+int8's on an AVX2-only one, slower than int8 from ~16 rows; the least memory. Its model also
+looks tokens up in an int8 copy of the embedding (`Int8Rows`), so the float table, a sixth of
+GPT-2 124M's served float32 bytes, is released.
 """
 
 from __future__ import annotations
@@ -212,7 +213,7 @@ class Int4Weight(QuantizedWeight):
     """A weight [out, in] as asymmetric int4 per group of `group` inputs, packed for torch's
     weight-only int4 product on the CPU (`_weight_int4pack_mm_for_cpu`, tinygemm's layout).
 
-    The kernel multiplies bfloat16 activations (float32 ones run ~10x slower on AVX2, see
+    The kernel multiplies bfloat16 activations (float32 ones run ~12x slower on AVX2, see
     bench/kernels_int8.py): each row is rounded to bfloat16, the products are summed in float32,
     and the result comes back in bfloat16; bias and GELU are then applied in float32. The
     kernel computes each row on its own, so a row's output is bit-identical alone and in any
