@@ -165,8 +165,12 @@ async def tgi_events(
         async for arrived in state.generations.events(batch, request):
             chunk = []
             for _, items in arrived:
-                tokens = [i for i in items if isinstance(i, TokenEvent)]
-                finished = next((i for i in items if isinstance(i, FinishedRequest)), None)
+                tokens, finished = [], None
+                for item in items:
+                    if isinstance(item, TokenEvent):
+                        tokens.append(item)
+                    elif isinstance(item, FinishedRequest):
+                        finished = item
                 for position, event in enumerate(tokens):
                     index += 1
                     last = finished is not None and position == len(tokens) - 1
