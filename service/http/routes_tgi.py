@@ -205,8 +205,8 @@ def stream_token(token_id: int, text: str, logprob: float, index: int, tokenizer
 
 
 def token_event(index: int, token_id: int, text: str, logprob: float, special: bool) -> bytes:
-    """sse(stream_token(...)) for the events between the first and the last, written directly:
-    the one event a TGI stream sends per token."""
+    """sse(stream_token(...)) written directly: every event of a TGI stream but the last and
+    those with top tokens, so one per token."""
     return (f'data: {{"index": {index}, "token": {{"id": {token_id}, "text": {json_string(text)}, '
             f'"logprob": {json_number(logprob)}, "special": {"true" if special else "false"}}}, '
             f'"generated_text": null, "details": null}}\n\n').encode()
