@@ -19,6 +19,7 @@ import torch
 from asgi_correlation_id import CorrelationIdMiddleware
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
+from starlette.types import Receive, Scope, Send
 
 from model.quantized import quantize_problem
 from service.analysis import inspection
@@ -38,6 +39,7 @@ from service.http.generation import Generations
 from service.common.metrics import RequestMetricsMiddleware
 from service.http.request_guards import FramingMiddleware, HostAllowListMiddleware
 from service.http.request_context import HEADER, REQUEST_ID_OPTIONS
+from service.http.sse import SERVER_SEND
 from service.settings import Settings
 from service.http.state import ServiceState
 from weights.checkpoint import load_config, load_model
@@ -45,6 +47,17 @@ from weights.prepare import read_origin
 from weights.tokenizer import GPT2Tokenizer
 
 __all__ = ["ServiceState", "create_app", "load_state"]
+
+
+class ServiceApp(FastAPI):
+    """FastAPI, with the server's own `send` left in the scope (SERVER_SEND) before the
+    middlewares wrap it: an event stream sends its body chunks there (service/http/sse.py).
+    Every middleware below acts on a response's start message alone; one that must see body
+    chunks too (compression, say) must not be added without taking that shortcut away."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        scope[SERVER_SEND] = send
+        await super().__call__(scope, receive, send)
 
 
 def load_state(settings: Settings) -> ServiceState:
@@ -131,7 +144,7 @@ def create_app(settings: Settings, link: CoreLink | None = None) -> FastAPI:
             # has been draining since SIGTERM; this waits for its exit.
             await state.client.stop(timeout=settings.drain_seconds)
 
-    app = FastAPI(
+    app = ServiceApp(
         title="gpt2-serve",
         summary="GPT-2 inference: TGI- and OpenAI-compatible generation, attention spectral analysis",
         lifespan=lifespan,

@@ -10,6 +10,8 @@ import time
 import uuid
 from dataclasses import dataclass
 
+from starlette.concurrency import run_in_threadpool
+
 from service.common.errors import validation_error
 from service.engine.types import MAX_BAD_WORD_TOKENS, GenerationRequest, SamplingParams
 from service.http.schemas import CompletionRequest, TGIParameters
@@ -67,6 +69,19 @@ def check_stops(stops: list[str], limits: Limits) -> tuple[str, ...]:
                 f"stop string {stop[:20]!r}... has {len(stop)} characters; at most {limits.max_stop_chars}"
             )
     return tuple(stops)
+
+
+# Tokenizing a long prompt takes milliseconds: off the event loop, in a worker thread. Prompts up
+# to this many characters in all take less to tokenize (~0.2 ms for 512) than the hand-off to the
+# thread and back costs the event loop's process (~0.2 ms of CPU, measured on 2 cores).
+INLINE_TOKENIZE_CHARS = 512
+
+
+async def tokenize_off_loop(tokenizer: GPT2Tokenizer, texts: list[str], truncate: int | None = None) -> list[Prompt]:
+    """tokenize_texts, in a worker thread unless the texts are short."""
+    if sum(len(text) for text in texts) <= INLINE_TOKENIZE_CHARS:
+        return tokenize_texts(tokenizer, texts, truncate)
+    return await run_in_threadpool(tokenize_texts, tokenizer, texts, truncate)
 
 
 def tokenize_texts(tokenizer: GPT2Tokenizer, texts: list[str], truncate: int | None = None) -> list[Prompt]:

@@ -106,7 +106,7 @@ class OutputProcessor:
             out.events.append(self._add_token(request, index, token, logprob, reason, now, top))
             if request.first_token_time is None:
                 request.first_token_time = now
-            if request.all_ended and reason is None:
+            if reason is None and request.sequences[index].finish_reason is not None and request.all_ended:
                 # Ended by stop strings, which only this side sees: the core would run on.
                 out.abort.append(request_id)
                 out.finished.append(self._finish(request, now))

@@ -11,7 +11,6 @@ from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
-from starlette.concurrency import run_in_threadpool
 
 from service.http.admission import (
     Prompt,
@@ -21,7 +20,7 @@ from service.http.admission import (
     new_request_id,
     openai_sampling,
     prompts_from_ids,
-    tokenize_texts,
+    tokenize_off_loop,
 )
 from service.common.errors import ApiError, error_body, validation_error
 from service.http.generation import CallStreams
@@ -30,7 +29,7 @@ from service.engine.types import FinishedRequest, FinishedSequence, GenerationRe
 from service.http.routes_tgi import CLIENT_GONE, ERRORS
 from service.http.scoring import completion_logprobs, vllm_prompt_logprobs
 from service.http.schemas import CompletionRequest, CompletionResponse, ModelList
-from service.http.sse import DONE, EventStream, sse
+from service.http.sse import DONE, EventStream, encode_json, json_string, sse
 from service.http.state import ServiceState, service_state
 from weights.tokenizer import GPT2Tokenizer
 
@@ -74,6 +73,7 @@ class Call:
         self.created = int(time.time())
         # Greedy n > 1 submits each prompt n times; sampling submits it once with n sequences.
         self.copies = len(requests) // len(prompts)
+        self._event_head: str | None = None
 
     def prompt_of(self, request_index: int) -> Prompt:
         return self.prompts[request_index // self.copies]
@@ -91,6 +91,14 @@ class Call:
             out["usage"] = usage
         return out
 
+    def text_event(self, index: int, text: str) -> bytes:
+        """sse(self.chunk([{index, text, logprobs: None, finish_reason: None}])), the event sent
+        per token, written directly: what every event of the call shares is encoded once."""
+        if self._event_head is None:
+            self._event_head = "data: " + encode_json(self.chunk([]))[: -len("]}")]
+        return (f'{self._event_head}{{"index": {index}, "text": {json_string(text)}, "logprobs": null, '
+                f'"finish_reason": null}}]}}\n\n').encode()
+
 
 async def admit(state: ServiceState, body: CompletionRequest) -> Call:
     limits = state.limits
@@ -101,7 +109,7 @@ async def admit(state: ServiceState, body: CompletionRequest) -> Call:
     check_count("the number of prompts", len(entries), limits.max_prompts)
     # The schema admits all strings or all token-id lists, never a mix.
     if isinstance(entries[0], str):
-        prompts = await run_in_threadpool(tokenize_texts, state.tokenizer, entries)
+        prompts = await tokenize_off_loop(state.tokenizer, entries)
     else:
         prompts = prompts_from_ids(state.tokenizer, entries, limits)
     check_lengths(prompts, params.max_new_tokens, limits)
@@ -178,7 +186,7 @@ async def stream_chunks(state: ServiceState, call: Call, batch: CallStreams, req
                 for sequence_index in range(body.n // call.copies):
                     index = call.choice_index(request_index, sequence_index)
                     offsets[index] = len(prompt.text)
-                    yield sse(call.chunk([{"index": index, "text": prompt.text, "logprobs": None, "finish_reason": None}]))
+                    yield call.text_event(index, prompt.text)
         async for arrived in state.generations.events(batch, request):
             chunk = []
             for request_index, items in arrived:
@@ -187,11 +195,12 @@ async def stream_chunks(state: ServiceState, call: Call, batch: CallStreams, req
                         index = call.choice_index(request_index, item.sequence_index)
                         start = offsets.get(index, 0)
                         offsets[index] = start + len(item.text)
-                        logprobs = None
-                        if body.logprobs is not None:
-                            logprobs = completion_logprobs(
-                                [item.token_id], [item.logprob], [item.top_logprobs], body.logprobs, start, tokenizer
-                            )
+                        if body.logprobs is None:
+                            chunk.append(call.text_event(index, item.text))
+                            continue
+                        logprobs = completion_logprobs(
+                            [item.token_id], [item.logprob], [item.top_logprobs], body.logprobs, start, tokenizer
+                        )
                         chunk.append(sse(call.chunk([{"index": index, "text": item.text, "logprobs": logprobs,
                                                       "finish_reason": None}])))
                     elif isinstance(item, FinishedRequest):

@@ -11,16 +11,15 @@ from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
-from starlette.concurrency import run_in_threadpool
 
-from service.http.admission import Prompt, check_count, check_lengths, generation_requests, tgi_sampling, tokenize_texts
+from service.http.admission import Prompt, check_count, check_lengths, generation_requests, tgi_sampling, tokenize_off_loop
 from service.common.errors import ApiError, error_body, validation_error
 from service.http.generation import CallStreams
 from service.common.metrics import set_outcome
 from service.engine.types import FinishedRequest, FinishedSequence, GenerationRequest, TokenEvent
 from service.http.scoring import tgi_top_tokens
 from service.http.schemas import GenerateResponse, TGIParameters, TGIRequest
-from service.http.sse import EventStream, sse
+from service.http.sse import EventStream, json_number, json_string, sse
 from service.http.state import ServiceState, service_state
 from weights.tokenizer import GPT2Tokenizer
 
@@ -83,8 +82,7 @@ async def admit(state: ServiceState, body: TGIRequest) -> tuple[list[Prompt], li
     limits = state.limits
     params = tgi_sampling(body.parameters, limits)
     check_count("the number of prompts in inputs", len(body.prompts), limits.max_prompts)
-    # Tokenizing a long prompt takes milliseconds: off the event loop.
-    prompts = await run_in_threadpool(tokenize_texts, state.tokenizer, body.prompts, body.parameters.truncate)
+    prompts = await tokenize_off_loop(state.tokenizer, body.prompts, body.parameters.truncate)
     check_lengths(prompts, params.max_new_tokens, limits)
     return prompts, generation_requests(prompts, params, "tgi")
 
@@ -167,11 +165,19 @@ async def tgi_events(
         async for arrived in state.generations.events(batch, request):
             chunk = []
             for _, items in arrived:
-                tokens = [i for i in items if isinstance(i, TokenEvent)]
-                finished = next((i for i in items if isinstance(i, FinishedRequest)), None)
+                tokens, finished = [], None
+                for item in items:
+                    if isinstance(item, TokenEvent):
+                        tokens.append(item)
+                    elif isinstance(item, FinishedRequest):
+                        finished = item
                 for position, event in enumerate(tokens):
                     index += 1
                     last = finished is not None and position == len(tokens) - 1
+                    if event.top_logprobs is None and not last:
+                        chunk.append(token_event(index, event.token_id, event.text, event.logprob,
+                                                 tokenizer.is_special(event.token_id)))
+                        continue
                     payload = stream_token(event.token_id, event.text, event.logprob, index, tokenizer)
                     if event.top_logprobs is not None:
                         payload["top_tokens"] = tgi_top_tokens(event.top_logprobs, tokenizer)
@@ -196,6 +202,14 @@ async def tgi_events(
 def stream_token(token_id: int, text: str, logprob: float, index: int, tokenizer: GPT2Tokenizer) -> dict:
     token = {"id": token_id, "text": text, "logprob": logprob, "special": tokenizer.is_special(token_id)}
     return {"index": index, "token": token, "generated_text": None, "details": None}
+
+
+def token_event(index: int, token_id: int, text: str, logprob: float, special: bool) -> bytes:
+    """sse(stream_token(...)) written directly: every event of a TGI stream but the last and
+    those with top tokens, so one per token."""
+    return (f'data: {{"index": {index}, "token": {{"id": {token_id}, "text": {json_string(text)}, '
+            f'"logprob": {json_number(logprob)}, "special": {"true" if special else "false"}}}, '
+            f'"generated_text": null, "details": null}}\n\n').encode()
 
 
 def tgi_finish_reason(reason: str) -> str:

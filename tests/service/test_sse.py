@@ -1,12 +1,20 @@
-"""service/http/sse.py: keep-alive comments while a stream waits for its first event, none after."""
+"""service/http/sse.py: keep-alive comments while a stream waits for its first event, none after;
+the events written from templates are the bytes json.dumps and FastAPI's SSE framing give; an
+event stream's body goes to the server's own `send`."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+import random
+import struct
 
-from fastapi.sse import KEEPALIVE_COMMENT
+from fastapi.sse import KEEPALIVE_COMMENT, format_sse_event
 
-from service.http.sse import keepalive_until_first
+from service.http.routes_openai import Call
+from service.http.routes_tgi import stream_token, token_event
+from service.http.schemas import CompletionRequest
+from service.http.sse import SERVER_SEND, EventStream, keepalive_until_first, sse
 
 INTERVAL = 0.01
 
@@ -21,21 +29,20 @@ async def gated(first: asyncio.Event, second: asyncio.Event, closed: list[bool])
         closed.append(True)
 
 
-def test_pings_while_the_first_event_waits_then_events_pass_through_unpinged():
+def test_pings_while_the_first_event_waits_then_the_first_event_ends_them():
     async def scenario():
         first, second, closed = asyncio.Event(), asyncio.Event(), []
-        stream = keepalive_until_first(gated(first, second, closed), INTERVAL)
+        source = gated(first, second, closed)
+        stream = keepalive_until_first(source, INTERVAL)
         assert [await anext(stream), await anext(stream)] == [KEEPALIVE_COMMENT] * 2  # gated: nothing else can come
         first.set()
         while (chunk := await anext(stream)) == KEEPALIVE_COMMENT:
             pass
         assert chunk == b"data: 1\n\n"
-        waiting = asyncio.ensure_future(anext(stream))
-        await asyncio.sleep(INTERVAL * 20)
-        assert not waiting.done()  # the gap after the first event is not filled with pings
+        assert [c async for c in stream] == []  # the rest is read from the source, unpinged
+        assert closed == []
         second.set()
-        assert await waiting == b"data: 2\n\n"
-        assert [c async for c in stream] == []
+        assert [c async for c in source] == [b"data: 2\n\n"]
         assert closed == [True]
 
     asyncio.run(scenario())
@@ -62,3 +69,77 @@ def test_a_source_that_ends_at_once_gives_nothing():
         return [c async for c in keepalive_until_first(empty(), INTERVAL)]
 
     assert asyncio.run(scenario()) == []
+
+
+# --- events written directly: json.dumps's bytes --------------------------------------------------
+TRICKY = ["", " plain", "é\u2028\u2029\x85", "\x00\x01\x1f\x7f", "\"quoted\" \\ back", "\r\n\r", "日本語 🙂", "\ufffd"]
+
+
+def texts(count: int) -> list[str]:
+    rng = random.Random(0)
+    alphabet = [chr(c) for c in range(0x80)] + ["é", "\u2028", "\ufffd", "日", "🙂"]
+    return TRICKY + ["".join(rng.choices(alphabet, k=rng.randint(1, 12))) for _ in range(count)]
+
+
+def floats(count: int) -> list[float]:
+    rng = random.Random(1)
+    edge = [0.0, -0.0, -1e-05, -1e-07, -1e16, -3.4e38, -5e-324, float("nan"), float("-inf"), float("inf")]
+    doubles = [struct.unpack("d", struct.pack("Q", rng.getrandbits(64)))[0] for _ in range(count)]
+    singles = [struct.unpack("f", struct.pack("I", rng.getrandbits(32)))[0] for _ in range(count)]
+    return edge + [-abs(x) for x in doubles + singles]
+
+
+class Tokenizer:
+    def is_special(self, token_id: int) -> bool:
+        return token_id == 50256
+
+
+def test_sse_is_fastapis_framing_of_json_dumps():
+    for text in texts(200):
+        payload = {"text": text, "nested": {"list": [text, 1, None, True]}}
+        assert sse(payload) == format_sse_event(data_str=json.dumps(payload, ensure_ascii=False))
+
+
+def test_a_tgi_token_event_is_the_json_of_its_payload():
+    tokenizer = Tokenizer()
+    for i, (text, logprob) in enumerate(zip(texts(400), floats(400))):
+        token_id = 50256 if i % 7 == 0 else i
+        expected = sse(stream_token(token_id, text, logprob, i + 1, tokenizer))
+        assert token_event(i + 1, token_id, text, logprob, tokenizer.is_special(token_id)) == expected
+
+
+def test_an_openai_text_event_is_the_json_of_its_chunk():
+    body = CompletionRequest(model='gpt2 "quoted" é', prompt="x", n=2)
+    call = Call(body, prompts=[object()], requests=[object(), object()], model=body.model)
+    for i, text in enumerate(texts(200)):
+        expected = sse(call.chunk([{"index": i, "text": text, "logprobs": None, "finish_reason": None}]))
+        assert call.text_event(i, text) == expected
+
+
+def test_an_event_streams_body_goes_to_the_servers_own_send():
+    """The start goes through the middlewares' `send` (headers, status); the body chunks to the
+    one the application put in the scope."""
+
+    async def content():
+        yield b"data: 1\n\n"
+        yield b"data: 2\n\n"
+
+    async def scenario():
+        through_middlewares, direct, closed = [], [], []
+
+        async def wrapped(message):
+            through_middlewares.append(message)
+
+        async def server(message):
+            direct.append(message)
+
+        async def receive():
+            await asyncio.sleep(10)
+
+        scope = {"type": "http", "asgi": {"spec_version": "2.4"}, SERVER_SEND: server}
+        await EventStream(content(), on_close=lambda: closed.append(True))(scope, receive, wrapped)
+        assert [m["type"] for m in through_middlewares] == ["http.response.start"]
+        assert [(m["body"], m["more_body"]) for m in direct] == [(b"data: 1\n\n", True), (b"data: 2\n\n", True), (b"", False)]
+        assert closed == [True]
+
+    asyncio.run(scenario())
