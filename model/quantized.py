@@ -97,9 +97,9 @@ def gelu_if(y: torch.Tensor, gelu: bool) -> torch.Tensor:
 
 
 # --- int8 ---------------------------------------------------------------------------------------
-def quantize_per_channel(weight: torch.Tensor) -> torch.Tensor:
-    """[out, in] float -> qint8, symmetric per output channel: scale = max |w| of the row / 127."""
-    scale = weight.abs().amax(dim=1).clamp_min(TINY) / 127  # [out]
+def quantize_per_channel(weight: torch.Tensor, levels: int = 127) -> torch.Tensor:
+    """[out, in] float -> qint8, symmetric per output channel: scale = max |w| of the row / levels."""
+    scale = weight.abs().amax(dim=1).clamp_min(TINY) / levels  # [out]
     with warnings.catch_warnings():  # quantized tensors are deprecated; FBGEMM's op still takes them
         warnings.simplefilter("ignore", UserWarning)
         return torch.quantize_per_channel(
@@ -112,8 +112,9 @@ def full_range_activations() -> bool:
     """Whether FBGEMM multiplies 8-bit activations exactly on this CPU.
 
     Without VNNI its kernels add pairs of uint8 x int8 products in 16 bits (vpmaddubsw), which
-    saturate above 32767, and 255 x 127 x 2 is 64770; PyTorch's answer is reduce_range (7-bit
-    activations). With VNNI (vpdpbusd) the sums are 32-bit and 8 bits are exact. Probed with
+    saturate above 32767, and 255 x 127 x 2 is 64770 (PyTorch's answer is reduce_range: 7-bit
+    activations; ours is 7-bit weights, `weight_levels`). With VNNI (vpdpbusd) the sums are
+    32-bit and 8 bits are exact. Probed with
     exactly that case: 63 inputs at +1 (uint8 255) against weights at +-127.
     """
     weight = torch.ones(2, 64)
@@ -135,20 +136,24 @@ class Int8Weight(QuantizedWeight):
     and a fixed row [1, -1, 0, ...] is appended: every call sees min -1 and max 1, every row gets
     the same grid whatever the batch, and W x = half * (W u) + center * (W 1) after the integer
     product. Integer sums are exact, so a row's output is bit-identical alone and in any batch.
-    Activations get 8 bits where the CPU adds them exactly (`full_range_activations`), else 7.
+    Activations always get 8 bits. Weights get 8 (+-127) where the CPU adds pairs of products in
+    32 bits (VNNI, `full_range_activations`), else 7 (+-63): 255 x 63 x 2 = 32130 never saturates
+    the 16-bit pair sums. On the trained model (AVX2) that is half the KL of PyTorch's answer,
+    7-bit activations with 8-bit weights (activation rounding dominates the error:
+    docs/performance.md).
     """
 
     def __init__(self, weight_out_in: torch.Tensor) -> None:
         n_out, n_in = weight_out_in.shape
         if n_in < 2:
             raise ValueError(f"an int8 weight needs at least 2 inputs, not {n_in}")
-        qweight = quantize_per_channel(weight_out_in.detach().float())
+        self.weight_levels = 127 if full_range_activations() else 63
+        qweight = quantize_per_channel(weight_out_in.detach().float(), self.weight_levels)
         self.prepacked = torch.ops.quantized.linear_prepack(qweight, None)
         self.shape = (n_out, n_in)
         self.row_sums = qweight.dequantize().sum(dim=1)  # [out]: W 1, of the weights as quantized
         self.bounds = torch.zeros(1, n_in)  # [1, in]: the fixed row [1, -1, 0, ...]
         self.bounds[0, :2] = torch.tensor([1.0, -1.0])
-        self.reduce_range = not full_range_activations()
 
     @property
     def nbytes(self) -> int:
@@ -166,7 +171,7 @@ class Int8Weight(QuantizedWeight):
         half = high.sub(center).clamp_min_(TINY)  # [M, 1]
         # clamp: (low - center) / half may round one ulp below -1, which would move FBGEMM's grid.
         unit = rows.sub(center).div_(half).clamp_(-1.0, 1.0)  # [M, in]
-        out = torch.ops.quantized.linear_dynamic(torch.cat([unit, self.bounds]), self.prepacked, self.reduce_range)
+        out = torch.ops.quantized.linear_dynamic(torch.cat([unit, self.bounds]), self.prepacked, False)
         offset = center * self.row_sums if bias is None else torch.addcmul(bias, center, self.row_sums)  # [M, out]
         y = offset.addcmul_(out[:-1], half).view(*x.shape[:-1], self.shape[0])
         return gelu_if(y, gelu)

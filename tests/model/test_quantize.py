@@ -32,12 +32,11 @@ TINY_TOP1 = 0.95
 def rounding_steps(weight: torch.Tensor, x: torch.Tensor, int8: Int8Weight) -> tuple[torch.Tensor, torch.Tensor]:
     """Half a rounding step of each activation [M, 1] and each weight [out].
 
-    Weights round to steps of max|w_o| / 127. Each activation row is mapped onto [-1, 1]
-    (half-width (max - min) / 2) and rounded to FBGEMM's grid of 255 steps over [-1, 1] (127
-    with reduce_range)."""
-    levels = 127 if int8.reduce_range else 255
-    dx = (x.amax(1, keepdim=True) - x.amin(1, keepdim=True)) / 2 / levels  # [M, 1]
-    dw = weight.abs().amax(1) / 127 / 2  # [out]
+    Weights round to steps of max|w_o| / 127 (63 where the CPU's pair sums would saturate). Each
+    activation row is mapped onto [-1, 1] (half-width (max - min) / 2) and rounded to FBGEMM's
+    grid of 255 steps over [-1, 1]."""
+    dx = (x.amax(1, keepdim=True) - x.amin(1, keepdim=True)) / 2 / 255  # [M, 1]
+    dw = weight.abs().amax(1) / int8.weight_levels / 2  # [out]
     return dx, dw
 
 
@@ -56,23 +55,23 @@ def int8_error_scale(weight: torch.Tensor, x: torch.Tensor, int8: Int8Weight) ->
 
 
 @pytest.fixture(params=["8-bit", "7-bit"])
-def activation_bits(request, monkeypatch):
-    """Both activation grids: 8 bits where this CPU adds them exactly, and the 7 bits others get."""
+def weight_bits(request, monkeypatch):
+    """Both weight grids: 8 bits where this CPU adds pair sums exactly, and the 7 bits others get."""
     if request.param == "8-bit" and not full_range_activations():
-        pytest.skip("this CPU's FBGEMM saturates 8-bit activations")
+        pytest.skip("this CPU's FBGEMM saturates 16-bit pair sums of 8-bit activations x 8-bit weights")
     monkeypatch.setattr(quantized_module, "full_range_activations", lambda: request.param == "8-bit")
     return request.param
 
 
 @pytest.mark.parametrize("rows", [1, 3, 32])
-def test_int8_linear_is_within_its_quantization_steps(rows, activation_bits):
+def test_int8_linear_is_within_its_quantization_steps(rows, weight_bits):
     generator = torch.Generator().manual_seed(rows)
     weight = torch.randn(96, 80, generator=generator) * 0.05  # [out, in]
     bias = torch.randn(96, generator=generator)
     x = torch.randn(rows, 80, generator=generator) * torch.rand(rows, 1, generator=generator) * 4 + 0.5
     x[:, 3] *= 10  # an outlier channel, as GPT-2's LayerNorm outputs have
     int8 = Int8Weight(weight)
-    assert int8.reduce_range == (activation_bits == "7-bit")
+    assert int8.weight_levels == (63 if weight_bits == "7-bit" else 127)
 
     error = int8(x, bias) - F.linear(x, weight, bias)  # [rows, 96]
     bound = int8_error_bound(weight, x, int8)
@@ -85,8 +84,9 @@ def test_int8_linear_is_within_its_quantization_steps(rows, activation_bits):
 
 def test_int8_weights_round_each_output_channel_to_its_own_step():
     weight = torch.tensor([[0.5, -1.0, 0.26], [100.0, 3.0, -50.0]])
-    steps = torch.tensor([[1.0], [100.0]]) / 127
-    assert torch.allclose(Int8Weight(weight).dequantized(), torch.round(weight / steps) * steps)
+    int8 = Int8Weight(weight)
+    steps = torch.tensor([[1.0], [100.0]]) / int8.weight_levels
+    assert torch.allclose(int8.dequantized(), torch.round(weight / steps) * steps)
 
 
 def test_gelu_and_leading_dimensions():
