@@ -143,3 +143,26 @@ def test_an_event_streams_body_goes_to_the_servers_own_send():
         assert closed == [True]
 
     asyncio.run(scenario())
+
+
+def test_every_middleware_is_one_that_acts_on_the_start_message_alone(tiny_model_dir):
+    """Event streams send their body chunks past the middlewares (SERVER_SEND); a middleware
+    added later that must see body chunks (compression, say) would silently miss them. Adding
+    one fails here until that shortcut is reconsidered (service/app.py, ServiceApp)."""
+    from asgi_correlation_id import CorrelationIdMiddleware
+    from fastapi.middleware.cors import CORSMiddleware
+
+    from service.app import create_app
+    from service.common.metrics import RequestMetricsMiddleware
+    from service.http.auth import BearerAuthMiddleware
+    from service.http.body_limit import BodyLimitMiddleware
+    from service.http.drain import DrainMiddleware
+    from service.http.request_guards import FramingMiddleware, HostAllowListMiddleware
+    from tests.service.conftest import settings_for
+
+    start_message_only = {
+        CorrelationIdMiddleware, CORSMiddleware, FramingMiddleware, HostAllowListMiddleware, DrainMiddleware,
+        BearerAuthMiddleware, RequestMetricsMiddleware, BodyLimitMiddleware,
+    }
+    app = create_app(settings_for(tiny_model_dir, api_key="k", allowed_hosts="localhost", cors_origins="http://a.example"))
+    assert {m.cls for m in app.user_middleware} == start_message_only
