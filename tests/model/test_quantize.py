@@ -12,7 +12,7 @@ import model.quantized as quantized_module
 from model.generate import greedy_generate, greedy_generate_uncached
 from model.gpt2 import GPT2
 from model.linear import Conv1D
-from model.quantized import QUANTIZE_MODES, Int8Weight, full_range_activations, int8_problem
+from model.quantized import QUANTIZE_MODES, QUANTIZED_WEIGHTS, Int8Weight, full_range_activations, int8_problem
 from service.settings import Settings
 from tests.conftest import TINY
 from tests.model.hf_reference import random_ids
@@ -89,15 +89,15 @@ def test_int8_weights_round_each_output_channel_to_its_own_step():
     assert torch.allclose(int8.dequantized(), torch.round(weight / steps) * steps)
 
 
-def test_gelu_and_leading_dimensions():
+def test_gelu_and_leading_dimensions(quantize_mode):
     generator = torch.Generator().manual_seed(3)
-    weight, bias = torch.randn(40, 24, generator=generator), torch.randn(40, generator=generator)
-    x = torch.randn(2, 5, 24, generator=generator)
-    int8 = Int8Weight(weight)
-    plain = int8(x, bias)
-    assert plain.shape == (2, 5, 40)
-    assert torch.equal(int8(x, bias, gelu=True), F.gelu(plain, approximate="tanh"))
-    assert torch.equal(plain[1, 2], int8(x[1, 2], bias))
+    weight, bias = torch.randn(40, 64, generator=generator), torch.randn(40, generator=generator)  # 64: one int4 group
+    x = torch.randn(2, 5, 64, generator=generator)
+    quantized = QUANTIZED_WEIGHTS[quantize_mode](weight)
+    plain = quantized(x, bias)
+    assert plain.shape == (2, 5, 40) and plain.dtype == torch.float32
+    assert torch.equal(quantized(x, bias, gelu=True), F.gelu(plain, approximate="tanh"))
+    assert torch.equal(plain[1, 2], quantized(x[1, 2], bias))
 
 
 def test_a_rows_result_does_not_depend_on_its_batch():
