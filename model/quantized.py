@@ -125,6 +125,12 @@ def full_range_activations() -> bool:
     return bool(torch.allclose(y, x @ weight.t(), atol=1.0))  # exact: +-62; saturated: about +-31
 
 
+def int8_weight_levels() -> int:
+    """The int8 weights' grid on this CPU: +-127 where FBGEMM adds 8-bit products exactly, else
+    +-63, so that 8-bit activations never saturate its 16-bit pair sums (`Int8Weight`)."""
+    return 127 if full_range_activations() else 63
+
+
 class Int8Weight(QuantizedWeight):
     """A weight [out, in] as symmetric int8 per output channel, prepacked for FBGEMM's dynamic
     int8 linear, which quantizes its float input to uint8 itself.
@@ -147,7 +153,7 @@ class Int8Weight(QuantizedWeight):
         n_out, n_in = weight_out_in.shape
         if n_in < 2:
             raise ValueError(f"an int8 weight needs at least 2 inputs, not {n_in}")
-        self.weight_levels = 127 if full_range_activations() else 63
+        self.weight_levels = int8_weight_levels()
         qweight = quantize_per_channel(weight_out_in.detach().float(), self.weight_levels)
         self.prepacked = torch.ops.quantized.linear_prepack(qweight, None)
         self.shape = (n_out, n_in)

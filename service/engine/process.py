@@ -23,7 +23,7 @@ import torch
 import zmq
 
 from model.config import DTYPES
-from model.quantized import QUANTIZE_METHODS, full_range_activations
+from model.quantized import QUANTIZE_METHODS, int8_weight_levels
 from service.engine.core import EngineConfig, EngineCore
 from service.engine.protocol import (
     AbortRequests,
@@ -98,7 +98,7 @@ def build_core(config: CoreProcessConfig) -> EngineCore:
         float_bytes = model.served_weight_bytes()
         model.quantize(config.quantize)
         served = model.served_weight_bytes()
-        detail = f", {8 if full_range_activations() else 7}-bit weights" if config.quantize == "int8" else ""
+        detail = f", weights on +-{int8_weight_levels()} levels" if config.quantize == "int8" else ""
         log.info("serving %s weights: %.1f MB, %.1f%% of %s's %.1f MB%s. %s", config.quantize, served / 1e6,
                  100 * served / float_bytes, config.dtype, float_bytes / 1e6, detail, QUANTIZE_METHODS[config.quantize])
     return EngineCore(model, config.eos_token_id, config.engine)
