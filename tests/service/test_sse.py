@@ -9,12 +9,21 @@ import json
 import random
 import struct
 
+from asgi_correlation_id import CorrelationIdMiddleware
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.sse import KEEPALIVE_COMMENT, format_sse_event
 
+from service.app import create_app
+from service.common.metrics import RequestMetricsMiddleware
+from service.http.auth import BearerAuthMiddleware
+from service.http.body_limit import BodyLimitMiddleware
+from service.http.drain import DrainMiddleware
+from service.http.request_guards import FramingMiddleware, HostAllowListMiddleware
 from service.http.routes_openai import Call
 from service.http.routes_tgi import stream_token, token_event
 from service.http.schemas import CompletionRequest
 from service.http.sse import SERVER_SEND, EventStream, keepalive_until_first, sse
+from tests.service.conftest import settings_for
 
 INTERVAL = 0.01
 
@@ -149,17 +158,6 @@ def test_every_middleware_is_one_that_acts_on_the_start_message_alone(tiny_model
     """Event streams send their body chunks past the middlewares (SERVER_SEND); a middleware
     added later that must see body chunks (compression, say) would silently miss them. Adding
     one fails here until that shortcut is reconsidered (service/app.py, ServiceApp)."""
-    from asgi_correlation_id import CorrelationIdMiddleware
-    from fastapi.middleware.cors import CORSMiddleware
-
-    from service.app import create_app
-    from service.common.metrics import RequestMetricsMiddleware
-    from service.http.auth import BearerAuthMiddleware
-    from service.http.body_limit import BodyLimitMiddleware
-    from service.http.drain import DrainMiddleware
-    from service.http.request_guards import FramingMiddleware, HostAllowListMiddleware
-    from tests.service.conftest import settings_for
-
     start_message_only = {
         CorrelationIdMiddleware, CORSMiddleware, FramingMiddleware, HostAllowListMiddleware, DrainMiddleware,
         BearerAuthMiddleware, RequestMetricsMiddleware, BodyLimitMiddleware,
