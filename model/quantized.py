@@ -7,8 +7,9 @@ FBGEMM quantizes its input with one scale for the whole matrix; `Int8Weight` giv
 own instead (below), so a row's result never depends on the rows beside it.
 
 int4 (`Int4Weight`): asymmetric int4 per group of 64 inputs on torch's weight-only int4 kernel for
-the CPU, with bfloat16 activations: at one row 1.6-2.2x int8's speed on an AVX-512 host, about
-int8's on an AVX2-only one, slower than int8 from ~16 rows; the least memory. Its model also
+the CPU, with bfloat16 activations: at one row its products run 1.6-2.2x int8's on an AVX-512
+host and about int8's on an AVX2-only one (where one served stream still gets 1.2x int8's
+tokens/s), slower than int8 from ~16 rows; the least memory. Its model also
 looks tokens up in an int8 copy of the embedding (`Int8Rows`), so the float table, a sixth of
 GPT-2 124M's served float32 bytes, is released.
 """
