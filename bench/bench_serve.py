@@ -44,7 +44,7 @@ import torch
 
 from bench import llama_cpp_bench
 from bench.common import describe_machine, load_both
-from bench.llama_cpp import BUILD_ROOT, convert
+from bench.llama_cpp import BUILD_ROOT, TOOLS, convert
 from model.config import DTYPES
 from model.quantized import QUANTIZE_MODES
 from service.engine.types import GenerationRequest, SamplingParams
@@ -281,9 +281,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if missing:
             parser.error(f"--llama-cpp has no GGUF type to set beside --quantize/--dtype {missing}; "
                          f"it compares {sorted(llama_cpp_bench.GGUF_TYPE)}")
-        tools = [args.llama_cpp / tool for tool in ("llama-bench", "llama-batched-bench")]
-        if not all(tool.is_file() for tool in tools):
-            parser.error(f"--llama-cpp {args.llama_cpp}: no llama-bench and llama-batched-bench there (build them with `make llama-cpp`)")
+        if not all((args.llama_cpp / tool).is_file() for tool in TOOLS):
+            parser.error(f"--llama-cpp {args.llama_cpp}: no {', '.join(TOOLS)} there (build them with `make llama-cpp`)")
     return args
 
 
@@ -303,7 +302,8 @@ def main() -> None:
         llama_cpp = llama_cpp_bench.LlamaCpp(args.llama_cpp, torch.get_num_threads(), args.new_tokens,
                                              round(statistics.mean(len(p) for p in prompts[:slots])), args.llama_cpp_repetitions)
         for mode in dict.fromkeys(args.quantize):
-            (ggufs[mode],) = convert(args.model_dir, args.gguf_dir, (llama_cpp_bench.GGUF_TYPE[mode, args.dtype],))
+            (ggufs[mode],) = convert(args.model_dir, args.gguf_dir, (llama_cpp_bench.GGUF_TYPE[mode, args.dtype],),
+                                     bin_dir=args.llama_cpp)
     servers = {(mode, n): Server(args, slots, mode, n) for mode in dict.fromkeys(args.quantize)
                for n in dict.fromkeys(args.api_servers)}
     try:

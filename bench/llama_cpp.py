@@ -2,12 +2,14 @@
 sha256-checked), to run beside our server in the same benchmark (bench/bench_serve.py --llama-cpp).
 
     .venv/bin/python -m bench.llama_cpp build                            # build/llama.cpp/bin/llama-bench, ...
-    .venv/bin/python -m bench.llama_cpp convert --model-dir weights/gpt2 # build/gguf/gpt2-{f32,f16,q8_0}.gguf
+    .venv/bin/python -m bench.llama_cpp convert --model-dir weights/gpt2 # build/gguf/gpt2-{f32,f16,q8_0,q4_0}.gguf
 
 The vendored tree is extracted once into build/ (outside the packages, whose imports tests scan),
 less what neither the build nor the converter reads; the sdist is fetched into weights/.cache,
 beside the other sdists the project fetches, and removed once extracted. Only the two benchmark
-tools are built: CPU only, Release, -march=native (GGML_NATIVE), no HTTPS client.
+tools are built, and llama-quantize, which writes the Q4_0 GGUF the converter cannot (from the f32
+one, with llama.cpp's own Q4_0 recipe): CPU only, Release, -march=native (GGML_NATIVE), no HTTPS
+client.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ SOURCE_NAME = "llama.cpp-0.3.36"
 # 120 of the tree's 176 MB: vocabularies for other models, documentation, images, CI files.
 UNUSED = ("models/", "docs/", "media/", ".github/", ".devops/")
 SCRIPT = "convert_hf_to_gguf.py"
-TOOLS = ("llama-bench", "llama-batched-bench")
+TOOLS = ("llama-bench", "llama-batched-bench", "llama-quantize")
 CMAKE_OPTIONS = {
     "CMAKE_BUILD_TYPE": "Release",
     "GGML_NATIVE": "ON",
@@ -44,7 +46,10 @@ CMAKE_OPTIONS = {
     "LLAMA_BUILD_SERVER": "OFF",
     "LLAMA_BUILD_APP": "OFF",
 }
-GGUF_TYPES = ("f32", "f16", "q8_0")
+GGUF_TYPES = ("f32", "f16", "q8_0", "q4_0")
+# Types the converter cannot write: llama-quantize makes them from the f32 GGUF (its type name).
+QUANTIZED_FROM_F32 = {"q4_0": "Q4_0"}
+BIN_DIR = BUILD_ROOT / "llama.cpp" / "bin"
 
 
 def source(cache_dir: Path = CACHE_DIR, build_root: Path = BUILD_ROOT) -> Path:
@@ -97,22 +102,29 @@ def gguf_path(out_dir: Path, model_dir: Path, outtype: str) -> Path:
     return out_dir / f"{model_dir.resolve().name}-{outtype}.gguf"
 
 
-def convert(model_dir: Path, out_dir: Path, outtypes: tuple[str, ...] = GGUF_TYPES, force: bool = False) -> list[Path]:
-    """GGUFs of a model folder, one per type, written by llama.cpp's own converter (skipped when
-    already newer than the folder's weights)."""
-    script = converter()
+def convert(model_dir: Path, out_dir: Path, outtypes: tuple[str, ...] = GGUF_TYPES, force: bool = False,
+            bin_dir: Path = BIN_DIR) -> list[Path]:
+    """GGUFs of a model folder, one per type, written by llama.cpp's own converter, or by its
+    llama-quantize (in bin_dir) from the f32 one (skipped when already newer than the folder's
+    weights)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     newest_input = max(path.stat().st_mtime for path in model_dir.iterdir() if path.is_file())
     written = []
     for outtype in outtypes:
         out = gguf_path(out_dir, model_dir, outtype)
         if force or not out.exists() or out.stat().st_mtime < newest_input:
+            if outtype in QUANTIZED_FROM_F32:
+                (f32,) = convert(model_dir, out_dir, ("f32",), force, bin_dir)
+                command = [str(bin_dir / "llama-quantize"), str(f32), "{partial}", QUANTIZED_FROM_F32[outtype]]
+            else:
+                command = [sys.executable, str(converter()), str(model_dir), "--outtype", outtype, "--outfile", "{partial}"]
             partial = out.with_suffix(".partial")
-            command = [sys.executable, str(script), str(model_dir), "--outtype", outtype, "--outfile", str(partial)]
+            command = [str(partial) if part == "{partial}" else part for part in command]
             print("+", " ".join(command), flush=True)
             result = subprocess.run(command, capture_output=True, text=True)
             if result.returncode != 0:
-                raise RuntimeError(f"{SCRIPT} failed on {model_dir}: {result.stderr[-3000:]}")
+                raise RuntimeError(f"{Path(command[1 if command[0] == sys.executable else 0]).name} failed on {model_dir}:"
+                                   f" {result.stderr[-3000:]}")
             partial.rename(out)
         written.append(out)
     return written
@@ -121,7 +133,7 @@ def convert(model_dir: Path, out_dir: Path, outtypes: tuple[str, ...] = GGUF_TYP
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
-    build_parser = commands.add_parser("build", help=f"build {' and '.join(TOOLS)} with cmake")
+    build_parser = commands.add_parser("build", help=f"build {', '.join(TOOLS)} with cmake")
     build_parser.add_argument("--out", type=Path, default=BUILD_ROOT / "llama.cpp", help="cmake's build folder")
     build_parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     convert_parser = commands.add_parser("convert", help="GGUFs of a model folder")
@@ -129,11 +141,12 @@ def main(argv: list[str] | None = None) -> None:
     convert_parser.add_argument("--out", type=Path, default=BUILD_ROOT / "gguf")
     convert_parser.add_argument("--outtype", nargs="+", choices=GGUF_TYPES, default=list(GGUF_TYPES))
     convert_parser.add_argument("--force", action="store_true", help="rewrite GGUFs that exist")
+    convert_parser.add_argument("--bin-dir", type=Path, default=BIN_DIR, help="where llama-quantize is (for q4_0)")
     args = parser.parse_args(argv)
     if args.command == "build":
         print(build(args.out, args.jobs))
     else:
-        for path in convert(args.model_dir, args.out, tuple(args.outtype), args.force):
+        for path in convert(args.model_dir, args.out, tuple(args.outtype), args.force, args.bin_dir):
             print(path)
 
 

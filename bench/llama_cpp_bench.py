@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 # Our serving precision → the GGUF type it is compared with.
-GGUF_TYPE = {("none", "float32"): "f32", ("none", "float16"): "f16", ("int8", "float32"): "q8_0"}
+GGUF_TYPE = {("none", "float32"): "f32", ("none", "float16"): "f16", ("int8", "float32"): "q8_0", ("int4", "float32"): "q4_0"}
 PREFILL_TOKENS = 512
 
 

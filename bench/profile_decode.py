@@ -34,6 +34,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from bench.common import DTYPES, describe_machine, weight_bytes
 from model.kv_cache import KVCache
+from model.quantized import QUANTIZE_MODES
 from service.inprocess import Engine, EngineConfig
 from service.engine.types import GenerationRequest, SamplingParams
 from weights.checkpoint import load_model
@@ -75,6 +76,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--unpacked", action="store_true", help="PyTorch's default kernels")
     parser.add_argument("--engine", action="store_true")
+    parser.add_argument("--quantize", choices=QUANTIZE_MODES, default="none", help="the engine core's weights (model/quantized.py)")
     parser.add_argument("--rows", type=int, default=15, help="operators shown")
     parser.add_argument("--against", metavar="REV", help="also profile git revision REV's code, side by side")
     parser.add_argument("--rounds", type=int, default=3, help="with --against: alternations of the two")
@@ -88,6 +90,8 @@ def main() -> None:
     model = load_model(args.model_dir, dtype=DTYPES[args.dtype])  # packed by load_model
     if args.unpacked:
         model.prepare(use_packed=False)
+    if args.quantize != "none":
+        model.quantize(args.quantize)
     with torch.inference_mode():
         if args.engine:
             step = engine_steps(model, GPT2Tokenizer.from_dir(args.model_dir), args.batch, args.context, args.steps)
@@ -107,7 +111,7 @@ def main() -> None:
     nbytes = weight_bytes(model)
     print(
         f"batch {args.batch}, context {args.context}, {args.dtype}, packed={not args.unpacked},"
-        f" engine={args.engine}: {wall * 1e3:.1f} ms/step wall, {cpu * 1e3:.1f} ms CPU;"
+        f" engine={args.engine}, quantize={args.quantize}: {wall * 1e3:.1f} ms/step wall, {cpu * 1e3:.1f} ms CPU;"
         f" {args.batch / wall:.0f} tokens/s; weights {nbytes / 1e6:.0f} MB -> {nbytes / cpu / 1e9:.1f} GB/s"
         " per CPU second"
     )
@@ -120,7 +124,8 @@ def main() -> None:
 
 
 # The operators that run the matrix products (model/linear.py), whichever kernel serves.
-PRODUCT_OPS = {"mkldnn::_linear_pointwise", "aten::addmm", "aten::mm", "aten::linear", "quantized::linear_dynamic"}
+PRODUCT_OPS = {"mkldnn::_linear_pointwise", "aten::addmm", "aten::mm", "aten::linear", "quantized::linear_dynamic",
+               "aten::_weight_int4pack_mm_for_cpu"}
 REPO = Path(__file__).resolve().parents[1]
 STEP_LINE_REST = re.compile(r"products ([\d.]+) ms, everything else ([\d.]+) ms")
 STEP_LINE = re.compile(r"([\d.]+) ms/step wall, ([\d.]+) ms CPU")

@@ -18,7 +18,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from model.config import GPT2Config
 from model.kv_cache import KVCache, SlotBatch
 from model.linear import Conv1D, linear, pack, released
-from model.quantized import QUANTIZE_MODES, QUANTIZED_WEIGHTS, Int8Rows, QuantizedWeight, quantize_problem
+from model.quantized import (
+    QUANTIZE_MODES, QUANTIZED_WEIGHTS, Int8Rows, QuantizedWeight, quantize_problem, rescore_candidates,
+)
 
 
 # The attention kernels scaled_dot_product_attention may choose, best first: flash (no mask),
@@ -287,7 +289,12 @@ class GPT2(nn.Module):
 
     def lm_head(self, x: torch.Tensor) -> torch.Tensor:
         # Tied to wte, whose [V, C] layout is already the [out, in] every kernel here wants.
-        return linear(x, self.wte.weight, None, self._lm_head_packed)
+        logits = linear(x, self.wte.weight, None, self._lm_head_packed)
+        if isinstance(self._lm_head_packed, QuantizedWeight):
+            # The best candidates' logits from the embedding rows the lookup reads (float32 for
+            # int8, the int8 copy for int4), not from the quantized head's rounded product.
+            return rescore_candidates(logits, x, self.embed_tokens)
+        return logits
 
     def forward(
         self,

@@ -53,11 +53,11 @@ def test_commands_ask_for_what_the_table_compares():
     assert int(batched[batched.index("-c") + 1]) >= 32 * (16 + 128)
 
 
-def test_cmake_builds_the_two_tools_cpu_only_native():
+def test_cmake_builds_the_benchmarks_and_the_quantizer_cpu_only_native():
     configure, build = cmake_commands(Path("src"), Path("out"), jobs=2)
     assert "-DGGML_NATIVE=ON" in configure and "-DCMAKE_BUILD_TYPE=Release" in configure
     assert not any("CUDA" in option or "METAL" in option for option in configure)
-    assert build[build.index("--target") + 1 :] == ["llama-bench", "llama-batched-bench"]
+    assert build[build.index("--target") + 1 :] == ["llama-bench", "llama-batched-bench", "llama-quantize"]
 
 
 @pytest.fixture
@@ -86,13 +86,13 @@ def test_each_client_count_meets_its_llama_cpp_figure(replaying_bin):
 
 @pytest.fixture
 def llama_cpp_bin(tmp_path):
-    for tool in ("llama-bench", "llama-batched-bench"):
+    for tool in ("llama-bench", "llama-batched-bench", "llama-quantize"):
         (tmp_path / tool).write_text("")
     return tmp_path
 
 
 def test_bench_serve_takes_a_llama_cpp_build(llama_cpp_bin):
-    args = bench_serve.parse_args(["--llama-cpp", str(llama_cpp_bin), "--quantize", "none", "int8"])
+    args = bench_serve.parse_args(["--llama-cpp", str(llama_cpp_bin), "--quantize", "none", "int8", "int4"])
     assert args.llama_cpp == llama_cpp_bin and args.clients == [1, 32]
     assert bench_serve.parse_args([]).llama_cpp is None
 

@@ -11,8 +11,10 @@ import torch.nn.functional as F
 import model.quantized as quantized_module
 from model.generate import greedy_generate, greedy_generate_uncached
 from model.gpt2 import GPT2
-from model.linear import Conv1D
-from model.quantized import QUANTIZE_MODES, QUANTIZED_WEIGHTS, Int8Weight, full_range_activations, int8_problem
+from model.linear import Conv1D, linear
+from model.quantized import (
+    QUANTIZE_MODES, QUANTIZED_WEIGHTS, RESCORED_CANDIDATES, Int8Weight, full_range_activations, int8_problem,
+)
 from service.settings import Settings
 from tests.conftest import TINY
 from tests.model.hf_reference import random_ids
@@ -155,6 +157,24 @@ def test_quantize_replaces_every_product_and_keeps_the_embedding(models, tiny_mo
     untouched = load_model(tiny_model_dir)
     untouched.quantize("none")
     assert not any(isinstance(m.packed, Int8Weight) for m in untouched.modules() if isinstance(m, Conv1D))
+
+
+@torch.inference_mode()
+def test_the_heads_best_candidates_are_rescored_from_the_embedding_rows(quantize_mode, tiny_model_dir):
+    float_model, quantized = float_and_quantized(tiny_model_dir, quantize_mode)
+    head_input = torch.randn(2, 3, float_model.config.n_embd, generator=torch.Generator().manual_seed(5))  # [2, 3, C]
+    rounded = linear(head_input, quantized.wte.weight, None, quantized._lm_head_packed)  # [2, 3, V]: the product alone
+    logits = quantized.lm_head(head_input)
+    top = rounded.topk(RESCORED_CANDIDATES, dim=-1).indices  # [2, 3, k]: the product's best candidates
+    rows = quantized.embed_tokens(top)  # [2, 3, k, C]: float32 rows for int8, the int8 copy's for int4
+    assert torch.equal(logits.gather(-1, top), (rows * head_input.unsqueeze(-2)).sum(-1))
+    rest = torch.ones_like(logits, dtype=torch.bool).scatter_(-1, top, False)
+    assert torch.equal(logits[rest], rounded[rest])
+    exact = float_model.lm_head(head_input)
+    if quantize_mode == "int8":  # the lookup's rows are the float head's: the candidates get its logits
+        assert torch.allclose(logits.gather(-1, top), exact.gather(-1, top), atol=1e-5)
+    # The product's own rounding is far larger: without the rescoring the candidates differ.
+    assert (rounded.gather(-1, top) - exact.gather(-1, top)).abs().max() > 1e-3
 
 
 @torch.inference_mode()

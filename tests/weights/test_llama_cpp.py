@@ -91,3 +91,21 @@ def test_every_tensor_converts_bit_for_bit(converted, tiny_model_dir):
         want = ours[source].T if transposed else ours[source]
         got = np.asarray(tensor.data).reshape(want.shape)
         assert np.array_equal(got, want), name
+
+
+def test_q4_0_is_made_by_llama_quantize_from_the_f32_gguf(converter, tiny_model_dir, tmp_path):
+    from bench.llama_cpp import convert
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    quantizer = bin_dir / "llama-quantize"  # stands in for llama.cpp's: logs its arguments, copies
+    quantizer.write_text(f'#!/bin/sh\necho "$@" >> {tmp_path / "calls"}\ncp "$1" "$2"\n')
+    quantizer.chmod(0o755)
+    (q4,) = convert(tiny_model_dir, tmp_path / "gguf", ("q4_0",), bin_dir=bin_dir)
+    f32 = tmp_path / "gguf" / f"{tiny_model_dir.resolve().name}-f32.gguf"
+    assert q4.name.endswith("-q4_0.gguf") and f32.exists()
+    source, target, kind = (tmp_path / "calls").read_text().split()
+    assert (source, kind) == (str(f32), "Q4_0") and target.endswith(".partial")
+    assert q4.read_bytes() == f32.read_bytes()  # what the quantizer wrote is what is kept
+    convert(tiny_model_dir, tmp_path / "gguf", ("q4_0",), bin_dir=bin_dir)  # newer than the weights: kept
+    assert len((tmp_path / "calls").read_text().splitlines()) == 1
