@@ -96,8 +96,8 @@ bench-serve: weights
 	$(PY) -m bench.bench_serve $(BENCH_ARGS)
 
 # llama.cpp beside us (docs/llama-cpp.md): its llama-bench and llama-batched-bench built from the
-# source the pinned llama-cpp-python sdist vendors (CPU, Release, -march=native) into build/llama.cpp,
-# GGUFs (f32, f16, q8_0) of MODEL_DIR converted into build/gguf by its own converter, and the served
+# source the pinned llama-cpp-python sdist vendors (CPU, Release, -march=native) into build/llama.cpp (with llama-quantize),
+# GGUFs (f32, f16, q8_0, q4_0) of MODEL_DIR converted into build/gguf by its own tools, and the served
 # benchmark run beside it. Never part of `make test`.
 LLAMA_CPP_DIR := build/llama.cpp
 llama-cpp: install
@@ -108,11 +108,11 @@ llama-cpp: install
 	fi
 	$(PY) -m bench.llama_cpp build --out $(LLAMA_CPP_DIR)
 
-gguf: install weights $(MODEL_DEPS)
+gguf: llama-cpp weights $(MODEL_DEPS)
 	$(PY) -m bench.llama_cpp convert --model-dir $(MODEL_DIR)
 
 bench-llama-cpp: llama-cpp gguf
-	$(PY) -m bench.bench_serve --model-dir $(MODEL_DIR) --quantize none int8 --no-reference --llama-cpp $(LLAMA_CPP_DIR)/bin $(BENCH_ARGS)
+	$(PY) -m bench.bench_serve --model-dir $(MODEL_DIR) --quantize none int8 int4 --no-reference --llama-cpp $(LLAMA_CPP_DIR)/bin $(BENCH_ARGS)
 
 # Runs the reliability tests (load, faults, fuzzing, hostile inputs) and rewrites RELIABILITY.md
 # from what they measured. RELIABILITY_SOAK=1 for the long soak.

@@ -114,6 +114,8 @@ def convert(model_dir: Path, out_dir: Path, outtypes: tuple[str, ...] = GGUF_TYP
         out = gguf_path(out_dir, model_dir, outtype)
         if force or not out.exists() or out.stat().st_mtime < newest_input:
             if outtype in QUANTIZED_FROM_F32:
+                if not (bin_dir / "llama-quantize").is_file():
+                    raise RuntimeError(f"a {outtype} GGUF is written by llama-quantize, not in {bin_dir}: `make llama-cpp` builds it")
                 (f32,) = convert(model_dir, out_dir, ("f32",), force, bin_dir)
                 command = [str(bin_dir / "llama-quantize"), str(f32), "{partial}", QUANTIZED_FROM_F32[outtype]]
             else:
