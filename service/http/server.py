@@ -4,9 +4,8 @@ flooding clients, and a drain that keeps answering after SIGTERM.
 uvicorn gives a keep-alive timeout, but no timeout for reading a request's headers or body, no
 limit on the headers' size with httptools (h11 has one; httptools, llhttp's C parser, is used
 because the HTTP process spends ~15% less CPU per streamed token on it: docs/api-servers.md),
-and its `limit_concurrency` still
-accepts and holds every connection (answering 503 only once a request arrives), so half-open
-connections use up the file descriptors. Here:
+and its `limit_concurrency` still accepts and holds every connection (answering 503 only once a
+request arrives), so half-open connections use up the file descriptors. Here:
 
 - headers must arrive within `header_timeout_seconds` of the connection (or of the first byte of
   a kept-alive connection's next request), bodies within `body_timeout_seconds`, or the
