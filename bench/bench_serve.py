@@ -35,6 +35,7 @@ import json
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -89,7 +90,9 @@ def percentile(values: list[float], q: float) -> float:
 
 # --- the server ---------------------------------------------------------------------------------
 class Server:
-    def __init__(self, args: argparse.Namespace, slots: int, quantize: str = "none", api_servers: int = 1) -> None:
+    def __init__(self, args: argparse.Namespace, slots: int, quantize: str = "none", api_servers: int = 1,
+                 checkout: Path | None = None) -> None:
+        """`checkout`: the folder whose code `-m service` runs (another worktree); default, this one."""
         self.port = free_port()
         self.label = quantize if len(args.api_servers) == 1 else f"{quantize}, {api_servers} HTTP"
         command = [
@@ -104,13 +107,18 @@ class Server:
         if api_servers != 1:
             command += ["--api-servers", str(api_servers)]
         self.url = f"http://127.0.0.1:{self.port}"
-        self.process = subprocess.Popen(command, env=clean_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        # Its log goes to a file: a pipe nobody reads fills after a few hundred requests' access
+        # lines, and the server then blocks writing the next.
+        self.log = tempfile.TemporaryFile()
+        self.process = subprocess.Popen(command, cwd=checkout, env=clean_env(), stdout=subprocess.DEVNULL,
+                                        stderr=self.log)
 
     def wait_ready(self) -> None:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(f"server exited: {self.process.stderr.read().decode()[-2000:]}")
+                self.log.seek(0)
+                raise RuntimeError(f"server exited: {self.log.read().decode()[-2000:]}")
             try:
                 if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
                     return
@@ -125,6 +133,7 @@ class Server:
             self.process.wait(30)
         except subprocess.TimeoutExpired:
             self.process.kill()
+        self.log.close()
 
 
 async def stream_one(http: httpx.AsyncClient, url: str, text: str, new_tokens: int, stats: ClientStats) -> None:

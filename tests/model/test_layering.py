@@ -52,7 +52,7 @@ def test_scan_sees_imports(tmp_path):
     assert imported_modules(sample) == {"transformers.models", "transformers"}
 
 
-HTTP_LIBRARIES = {"fastapi", "starlette", "uvicorn", "h11", "httpx"}
+HTTP_LIBRARIES = {"fastapi", "starlette", "uvicorn", "h11", "httptools", "httpx"}
 
 
 def test_engine_core_imports_nothing_of_the_http_side():

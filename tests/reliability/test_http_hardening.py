@@ -11,6 +11,7 @@ from contextlib import ExitStack
 import httpx
 import pytest
 
+from service.http.server import MAX_HEAD_BYTES
 from tests.reliability.rawhttp import closed_by_server, connect, exchange, read_response
 from tests.service.live import WAIT_S, live_server, wait_until
 
@@ -78,6 +79,31 @@ def test_headers_that_trickle_in_are_cut_off(strict):
             stop.set()
             sender.join()
         assert sent < len(request), "the server waited for the whole trickle"
+
+
+@pytest.mark.parametrize("next_bytes", [b"GET /health HTTP/1.1\r\nHost: local", b"\r\n"], ids=["headers", "crlf"])
+def test_a_kept_alive_connections_next_headers_are_cut_off(strict, next_bytes):
+    # The header deadline counts from the next request's first byte, not from the connection;
+    # without it only the 300 s keep-alive would end this one (the first byte cancels it).
+    with connect(strict.port) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n")
+        assert read_response(sock).status == 200
+        sock.sendall(next_bytes)
+        assert closed_by_server(sock, within_s=WAIT_S)
+
+
+def test_headers_past_the_limit_are_refused_431_and_closed(strict):
+    big = b"X-Big: " + b"a" * MAX_HEAD_BYTES + b"\r\n"
+    response, sock = exchange(strict.port, b"GET /health HTTP/1.1\r\nHost: localhost\r\n" + big + b"\r\n")
+    with sock:
+        assert response.status == 431
+        assert response.json()["error_type"] == "validation" and str(MAX_HEAD_BYTES) in response.json()["error"]
+        assert closed_by_server(sock, within_s=WAIT_S / 4)
+    # h11's limit was the same: a head just within it is served.
+    within = b"X-Big: " + b"a" * (MAX_HEAD_BYTES - 200) + b"\r\n"
+    response, sock = exchange(strict.port, b"GET /health HTTP/1.1\r\nHost: localhost\r\n" + within + b"\r\n")
+    with sock:
+        assert response.status == 200
 
 
 def test_a_body_that_never_arrives_is_cut_off(strict):

@@ -1,10 +1,12 @@
-"""What service/http/server.py reads of uvicorn's internals, checked on the installed uvicorn.
+"""What service/http/server.py reads of uvicorn's internals, checked on the installed uvicorn and
+httptools.
 
-No documented uvicorn hook gives read deadlines for headers and bodies, or a connection cap that
-closes idle connections instead of holding them (server.py says why), so GuardedH11Protocol
-subclasses uvicorn's H11Protocol and DrainingServer reads the server's connections. pyproject.toml
-pins uvicorn to the range these pass with; a uvicorn that moves any of it fails here, naming what
-moved, rather than in the live tests with a timeout.
+No documented uvicorn hook gives read deadlines for headers and bodies, a limit on the headers'
+size with httptools, or a connection cap that closes idle connections instead of holding them
+(server.py says why), so GuardedProtocol subclasses uvicorn's HttpToolsProtocol, extending the
+parser's callbacks, and DrainingServer reads the server's connections. pyproject.toml pins uvicorn
+and httptools to the ranges these pass with; a version that moves any of it fails here, naming
+what moved, rather than in the live tests with a timeout.
 """
 
 from __future__ import annotations
@@ -13,19 +15,20 @@ import asyncio
 import inspect
 import json
 
-import h11
+import httptools
 import pytest
 import uvicorn
-from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.server import ServerState
 
-from service.http.server import DrainingServer, GuardedH11Protocol
+from service.http.server import BODY, HEAD, MAX_HEAD_BYTES, DrainingServer, GuardedProtocol
 
 
 def expect(ok: bool, what: str) -> None:
     assert ok, (
-        f"uvicorn {uvicorn.__version__} changed what service/http/server.py relies on: {what}. "
-        "Adapt GuardedH11Protocol / DrainingServer to it, then widen uvicorn's range in pyproject.toml."
+        f"uvicorn {uvicorn.__version__} / httptools {httptools.__version__} changed what "
+        f"service/http/server.py relies on: {what}. Adapt GuardedProtocol / DrainingServer to it, "
+        "then widen the range in pyproject.toml."
     )
 
 
@@ -64,16 +67,21 @@ async def ok_app(scope, receive, send) -> None:
 
 
 def server_config() -> uvicorn.Config:
-    config = uvicorn.Config(ok_app, http=GuardedH11Protocol, lifespan="off", log_config=None)
+    config = uvicorn.Config(ok_app, http=GuardedProtocol, ws="none", lifespan="off", log_config=None)
     config.load()
     return config
 
 
 @pytest.mark.parametrize(("owner", "method", "parameters"), [
-    (H11Protocol, "connection_made", ["self", "transport"]),
-    (H11Protocol, "data_received", ["self", "data"]),
-    (H11Protocol, "connection_lost", ["self", "exc"]),
-    (H11Protocol, "send_400_response", ["self", "msg"]),
+    (HttpToolsProtocol, "connection_made", ["self", "transport"]),
+    (HttpToolsProtocol, "data_received", ["self", "data"]),
+    (HttpToolsProtocol, "connection_lost", ["self", "exc"]),
+    (HttpToolsProtocol, "send_400_response", ["self", "msg"]),
+    (HttpToolsProtocol, "on_message_begin", ["self"]),
+    (HttpToolsProtocol, "on_url", ["self", "url"]),
+    (HttpToolsProtocol, "on_header", ["self", "name", "value"]),
+    (HttpToolsProtocol, "on_headers_complete", ["self"]),
+    (HttpToolsProtocol, "on_message_complete", ["self"]),
     (uvicorn.Server, "shutdown", ["self", "sockets"]),
 ], ids=lambda each: getattr(each, "__name__", str(each)))
 def test_the_overridden_methods_keep_their_signatures(owner, method, parameters):
@@ -90,33 +98,46 @@ async def until(condition, what: str) -> None:
     expect(False, what)
 
 
-async def a_request_through_the_guarded_protocol() -> None:
-    loop = asyncio.get_running_loop()
-    server_state = ServerState()
-    protocol = GuardedH11Protocol(server_config(), server_state, {}, _loop=loop)
+def open_connection(server_state: ServerState | None = None) -> tuple[GuardedProtocol, Transport]:
+    protocol = GuardedProtocol(server_config(), server_state or ServerState(), {}, _loop=asyncio.get_running_loop())
     transport = Transport()
     protocol.connection_made(transport)
+    return protocol, transport
+
+
+async def a_request_through_the_guarded_protocol() -> None:
+    server_state = ServerState()
+    protocol, transport = open_connection(server_state)
     expect(protocol.connections is server_state.connections and protocol in protocol.connections,
-           "H11Protocol.connections is no longer the server's set of open connections")
-    expect(isinstance(protocol.conn, h11.Connection), "H11Protocol.conn is no longer an h11.Connection")
-    expect(protocol.transport is transport and protocol.loop is loop, "H11Protocol.transport / .loop moved")
-    expect(protocol.cycle is None, "H11Protocol.cycle is not None before the first request")
-    expect(protocol.conn.their_state is h11.IDLE and protocol.read_timer is not None,
-           "a new connection is not IDLE in h11, so no header deadline is armed")
+           "HttpToolsProtocol.connections is no longer the server's set of open connections")
+    expect(protocol.transport is transport and protocol.loop is asyncio.get_running_loop(),
+           "HttpToolsProtocol.transport / .loop moved")
+    expect(protocol.flow.read_paused is False, "HttpToolsProtocol.flow.read_paused is gone")
+    expect(protocol.cycle is None, "HttpToolsProtocol.cycle is not None before the first request")
+    expect(protocol.reading is HEAD and protocol.read_timer is not None, "no header deadline armed on connection")
+    expect(protocol._idle(), "a new connection does not count as idle")
 
     protocol.data_received(b"POST / HTTP/1.1\r\nHost: localhost\r\nContent-Length: 4\r\n\r\nab")
-    expect(protocol.conn.their_state is h11.SEND_BODY, "a request's headers no longer move h11 to SEND_BODY")
-    expect(protocol.reading is h11.SEND_BODY and protocol.read_timer is not None, "no body deadline armed")
+    expect(protocol.reading is BODY and protocol.read_timer is not None,
+           "on_headers_complete did not come with the headers: no body deadline armed")
     cycle = protocol.cycle
     expect(cycle is not None and cycle.response_complete is False,
-           "H11Protocol.cycle (with response_complete) no longer tracks the request in progress")
+           "HttpToolsProtocol.cycle (with response_complete) no longer tracks the request in progress")
     expect(not protocol._idle(), "a connection mid-request counts as idle")
 
     protocol.data_received(b"cd")
+    expect(protocol.reading is None and protocol.read_timer is None,
+           "on_message_complete did not come with the body's last byte: a deadline is still armed")
     await until(lambda: cycle.response_complete is True, "RequestResponseCycle.response_complete never turned True")
-    await until(lambda: protocol.conn.their_state is h11.IDLE, "h11 is not back to IDLE after the response")
     expect(b"200" in bytes(transport.written).split(b"\r\n", 1)[0], f"no 200 answered: {bytes(transport.written)!r}")
     expect(protocol._idle(), "a kept-alive connection between requests does not count as idle")
+
+    protocol.data_received(b"\r\n")  # llhttp skips it without a callback: data_received arms the deadline
+    expect(protocol.reading is HEAD and protocol.read_timer is not None,
+           "the first byte of a kept-alive connection's next request arms no header deadline")
+    protocol.data_received(b"GET / HTTP/1.1\r\nHost: localhost\r\n\r\nGE")
+    expect(protocol.reading is HEAD and protocol.read_timer is not None,
+           "a request begun in the read that ended the one before arms no header deadline (on_message_begin)")
 
     protocol.connection_lost(None)
     expect(protocol not in server_state.connections and protocol.read_timer is None,
@@ -127,20 +148,80 @@ def test_a_request_moves_the_state_the_guard_reads():
     asyncio.run(a_request_through_the_guarded_protocol())
 
 
-async def malformed_http_through_the_guarded_protocol() -> bytes:
-    protocol = GuardedH11Protocol(server_config(), ServerState(), {}, _loop=asyncio.get_running_loop())
-    transport = Transport()
-    protocol.connection_made(transport)
-    protocol.data_received(b"NOT HTTP AT ALL\r\n\r\n")
-    expect(transport.closed, "malformed HTTP no longer closes the connection through send_400_response")
+async def answer_to(*reads: bytes) -> tuple[bytes, bool]:
+    """What the guarded protocol wrote for these reads of one connection, and whether it closed it."""
+    protocol, transport = open_connection()
+    for data in reads:
+        if not transport.closed:
+            protocol.data_received(data)
+    await asyncio.sleep(0.05)  # a request that got through is answered by its task
     protocol.connection_lost(None)
-    return bytes(transport.written)
+    return bytes(transport.written), transport.closed
+
+
+def answer(*reads: bytes) -> tuple[int, dict, bool]:
+    written, closed = asyncio.run(answer_to(*reads))
+    head, _, body = written.partition(b"\r\n\r\n")
+    status = int(head.split(b" ")[1]) if head else 0
+    return status, (json.loads(body) if status >= 400 else {}), closed
 
 
 def test_uvicorn_answers_malformed_http_through_the_override():
-    head, _, body = asyncio.run(malformed_http_through_the_guarded_protocol()).partition(b"\r\n\r\n")
-    expect(head.startswith(b"HTTP/1.1 400"), f"malformed HTTP answered {head!r}")
-    expect(json.loads(body)["error_type"] == "validation", "the 400 is not the override's JSON error shape")
+    # send_400_response is called inside uvicorn's `except` for the parser's error: its reason shows.
+    status, body, closed = answer(b"NOT HTTP AT ALL\r\n\r\n")
+    expect(status == 400 and closed, "malformed HTTP no longer answered 400 and closed through send_400_response")
+    expect(body["error_type"] == "validation" and "Invalid method" in body["error"],
+           f"the 400 is not the override's JSON error shape with the parser's reason: {body}")
+
+
+def request_with_header(size: int) -> bytes:
+    return b"GET / HTTP/1.1\r\nHost: localhost\r\nX-Big: " + b"a" * size + b"\r\n\r\n"
+
+
+def test_a_head_past_the_limit_is_refused_before_it_reaches_the_app():
+    # on_header comes before on_headers_complete, which starts the app: the refusal beats it.
+    status, body, closed = answer(request_with_header(MAX_HEAD_BYTES))
+    expect(status == 431 and closed and str(MAX_HEAD_BYTES) in body["error"],
+           f"a head past {MAX_HEAD_BYTES} bytes was answered {status}")
+    expect(answer(request_with_header(MAX_HEAD_BYTES - 200))[0] == 200, "a head within the limit was refused")
+
+
+def test_a_header_growing_over_many_reads_is_refused_before_it_ends():
+    # httptools keeps a header still incomplete to itself (no callback): the reads are counted.
+    start = b"GET / HTTP/1.1\r\nHost: localhost\r\nX-Big: "
+    status, _, closed = answer(start, *[b"a" * 1024] * (MAX_HEAD_BYTES // 1024 + 1))
+    expect(status == 431 and closed, f"a header that never ends, past {MAX_HEAD_BYTES} bytes, was answered {status}")
+
+
+async def pipelined_request_waits_its_turn() -> None:
+    protocol, transport = open_connection()
+    protocol.header_timeout = protocol.body_timeout = 0.05
+    started = asyncio.Event()
+    release = asyncio.Event()
+
+    async def slow_app(scope, receive, send) -> None:
+        started.set()
+        await release.wait()
+        await ok_app(scope, receive, send)
+
+    protocol.app = slow_app
+    # The first request in progress; the second's headers pipelined behind it, its body not yet read.
+    protocol.data_received(b"GET / HTTP/1.1\r\nHost: localhost\r\n\r\n"
+                           b"POST / HTTP/1.1\r\nHost: localhost\r\nContent-Length: 2\r\n\r\n")
+    await started.wait()
+    expect(protocol.flow.read_paused and protocol.reading is BODY,
+           "uvicorn no longer pauses reading for a pipelined request")
+    await asyncio.sleep(0.2)  # several body deadlines
+    expect(not transport.closed, "a body deadline fell while the server held the reading back: first request cut")
+    release.set()
+    await until(lambda: not protocol.flow.read_paused, "the pipelined request never started")
+    await asyncio.sleep(0.2)
+    expect(transport.closed, "the pipelined request's body never came, yet its deadline did not close the connection")
+    protocol.connection_lost(None)
+
+
+def test_a_pipelined_requests_body_deadline_waits_for_its_turn():
+    asyncio.run(pipelined_request_waits_its_turn())
 
 
 def test_the_draining_server_finds_its_connections():
