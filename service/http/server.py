@@ -122,7 +122,7 @@ class GuardedProtocol(HttpToolsProtocol):
 
     def send_400_response(self, msg: str) -> None:
         # uvicorn calls this inside its `except` for the parser's error, which says what was wrong.
-        error = sys.exception()
+        error = sys.exc_info()[1]
         if isinstance(getattr(error, "__context__", None), HeadTooLarge):
             self._refuse(431, HEAD_TOO_LARGE)
         else:
