@@ -15,22 +15,22 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import shutil
 import statistics
 import tempfile
 from pathlib import Path
 
 from bench.bench_serve import Server, drive_clients, prompt_texts, serve_clients
 from model.config import GPT2Config
+from weights.bpe_source import write_tokenizer_files
+from weights.prepare import CACHE_DIR
 from weights.random_init import init_state, write_model_dir
 
 SMALL = GPT2Config(vocab_size=50257, n_positions=256, n_embd=256, n_layer=4, n_head=4)
 
 
-def write_small_model(out_dir: Path, tokenizer_dir: Path) -> Path:
+def write_small_model(out_dir: Path) -> Path:
     write_model_dir(out_dir, SMALL, init_state(SMALL, seed=0))
-    for name in ("tokenizer.json", "vocab.json", "merges.txt"):
-        shutil.copy(tokenizer_dir / name, out_dir / name)
+    write_tokenizer_files(out_dir, CACHE_DIR)
     return out_dir
 
 
@@ -80,7 +80,7 @@ def main() -> None:
         compare(args)
         return
     with tempfile.TemporaryDirectory() as tmp:
-        args.model_dir = write_small_model(Path(tmp), args.model_dir)
+        args.model_dir = write_small_model(Path(tmp))
         compare(args)
 
 

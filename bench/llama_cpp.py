@@ -113,20 +113,20 @@ def convert(model_dir: Path, out_dir: Path, outtypes: tuple[str, ...] = GGUF_TYP
     for outtype in outtypes:
         out = gguf_path(out_dir, model_dir, outtype)
         if force or not out.exists() or out.stat().st_mtime < newest_input:
+            partial = out.with_suffix(".partial")
             if outtype in QUANTIZED_FROM_F32:
-                if not (bin_dir / "llama-quantize").is_file():
+                tool = bin_dir / "llama-quantize"
+                if not tool.is_file():
                     raise RuntimeError(f"a {outtype} GGUF is written by llama-quantize, not in {bin_dir}: `make llama-cpp` builds it")
                 (f32,) = convert(model_dir, out_dir, ("f32",), force, bin_dir)
-                command = [str(bin_dir / "llama-quantize"), str(f32), "{partial}", QUANTIZED_FROM_F32[outtype]]
+                command = [str(tool), str(f32), str(partial), QUANTIZED_FROM_F32[outtype]]
             else:
-                command = [sys.executable, str(converter()), str(model_dir), "--outtype", outtype, "--outfile", "{partial}"]
-            partial = out.with_suffix(".partial")
-            command = [str(partial) if part == "{partial}" else part for part in command]
+                tool = converter()
+                command = [sys.executable, str(tool), str(model_dir), "--outtype", outtype, "--outfile", str(partial)]
             print("+", " ".join(command), flush=True)
             result = subprocess.run(command, capture_output=True, text=True)
             if result.returncode != 0:
-                raise RuntimeError(f"{Path(command[1 if command[0] == sys.executable else 0]).name} failed on {model_dir}:"
-                                   f" {result.stderr[-3000:]}")
+                raise RuntimeError(f"{tool.name} failed on {model_dir}: {result.stderr[-3000:]}")
             partial.rename(out)
         written.append(out)
     return written
