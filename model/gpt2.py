@@ -19,7 +19,7 @@ from model.config import GPT2Config
 from model.kv_cache import KVCache, SlotBatch
 from model.linear import Conv1D, linear, pack, released
 from model.quantized import (
-    QUANTIZE_MODES, QUANTIZED_WEIGHTS, Int8Rows, QuantizedWeight, quantize_problem, rescore_candidates,
+    QUANTIZE_MODES, QUANTIZED_WEIGHTS, Int8Rows, block_weights, QuantizedWeight, quantize_problem, rescore_candidates,
 )
 
 
@@ -260,11 +260,11 @@ class GPT2(nn.Module):
             raise ValueError(problem)
         if mode == "none":
             return
-        weight_class = QUANTIZED_WEIGHTS[mode]
-        self._lm_head_packed = weight_class(self.wte.weight)
-        for module in self.modules():
-            if isinstance(module, Conv1D):
-                module.quantize(weight_class)
+        self._lm_head_packed = QUANTIZED_WEIGHTS[mode](self.wte.weight)
+        for index, block in enumerate(self.h):
+            for module in block.modules():
+                if isinstance(module, Conv1D):
+                    module.quantize(block_weights(mode, index))
         if mode == "int4":
             self._wte_rows = Int8Rows(self.wte.weight)
             self.wte.weight = released(self.wte.weight)

@@ -22,6 +22,8 @@ and runs the product itself.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -100,9 +102,9 @@ class Conv1D(nn.Module):
         self.weight = nn.Parameter(weight_out_in.t(), requires_grad=False)  # [in, out] view
         self.packed = pack(weight_out_in) if use_packed else None
 
-    def quantize(self, weight_class: type[QuantizedWeight]) -> None:
-        """Serve from quantized weights from now on; the float weight is released."""
-        self.packed = weight_class(self.weight.t())
+    def quantize(self, make: Callable[[torch.Tensor], QuantizedWeight]) -> None:
+        """Serve from quantized weights (make(weight [out, in])) from now on; the float weight is released."""
+        self.packed = make(self.weight.t())
         self.weight = released(self.weight)
 
     def forward(self, x: torch.Tensor, gelu: bool = False) -> torch.Tensor:

@@ -13,7 +13,7 @@ from model.generate import greedy_generate, greedy_generate_uncached
 from model.gpt2 import GPT2
 from model.linear import Conv1D, linear
 from model.quantized import (
-    QUANTIZE_MODES, QUANTIZED_WEIGHTS, RESCORED_CANDIDATES, Int8Weight, full_range_activations, int8_problem,
+    PRECISE_BLOCKS, QUANTIZE_MODES, QUANTIZED_WEIGHTS, RESCORED_CANDIDATES, Int8Weight, full_range_activations, int8_problem,
 )
 from service.settings import Settings
 from tests.conftest import TINY
@@ -38,8 +38,16 @@ def rounding_steps(weight: torch.Tensor, x: torch.Tensor, int8: Int8Weight) -> t
     activation row is mapped onto [-1, 1] (half-width (max - min) / 2) and rounded to FBGEMM's
     grid of 255 steps over [-1, 1]."""
     dx = (x.amax(1, keepdim=True) - x.amin(1, keepdim=True)) / 2 / 255  # [M, 1]
-    dw = weight.abs().amax(1) / int8.weight_levels / 2  # [out]
-    return dx, dw
+    return dx, weight_half_steps(weight, int8)
+
+
+def weight_half_steps(weight: torch.Tensor, int8: Int8Weight) -> torch.Tensor:
+    """Half the last pass's rounding step per output channel [out]: max|w_o| / levels, and with
+    two passes max|w_o - first pass_o| / levels (the first pass's rounding residual)."""
+    step = weight.abs().amax(1, keepdim=True) / int8.weight_levels  # [out, 1]
+    for _ in range(int8.passes - 1):
+        step = (weight - torch.round(weight / step) * step).abs().amax(1, keepdim=True) / int8.weight_levels
+    return step[:, 0] / 2
 
 
 def int8_error_bound(weight: torch.Tensor, x: torch.Tensor, int8: Int8Weight) -> torch.Tensor:
@@ -65,14 +73,15 @@ def weight_bits(request, monkeypatch):
     return request.param
 
 
+@pytest.mark.parametrize("passes", [1, 2])
 @pytest.mark.parametrize("rows", [1, 3, 32])
-def test_int8_linear_is_within_its_quantization_steps(rows, weight_bits):
+def test_int8_linear_is_within_its_quantization_steps(rows, passes, weight_bits):
     generator = torch.Generator().manual_seed(rows)
     weight = torch.randn(96, 80, generator=generator) * 0.05  # [out, in]
     bias = torch.randn(96, generator=generator)
     x = torch.randn(rows, 80, generator=generator) * torch.rand(rows, 1, generator=generator) * 4 + 0.5
     x[:, 3] *= 10  # an outlier channel, as GPT-2's LayerNorm outputs have
-    int8 = Int8Weight(weight)
+    int8 = Int8Weight(weight, passes)
     assert int8.weight_levels == (63 if weight_bits == "7-bit" else 127)
 
     error = int8(x, bias) - F.linear(x, weight, bias)  # [rows, 96]
@@ -91,6 +100,19 @@ def test_int8_weights_round_each_output_channel_to_its_own_step():
     assert torch.allclose(int8.dequantized(), torch.round(weight / steps) * steps)
 
 
+def test_a_second_pass_rounds_the_first_ones_residual():
+    generator = torch.Generator().manual_seed(6)
+    weight = torch.randn(48, 64, generator=generator) * torch.rand(48, 1, generator=generator)
+    one, two = Int8Weight(weight), Int8Weight(weight, passes=2)
+    residual = weight - one.dequantized()
+    assert (residual - (two.dequantized() - one.dequantized())).abs().max() <= weight_half_steps(weight, two).max() * 1.001
+    # ~levels times finer, for twice the int8 bytes
+    assert (weight - two.dequantized()).abs().max() < (weight - one.dequantized()).abs().max() / (one.weight_levels / 2)
+    assert two.nbytes - one.nbytes == weight.numel() + 4 * len(weight)
+    x = torch.randn(3, 64, generator=generator)
+    assert (two(x) - F.linear(x, weight)).abs().mean() < (one(x) - F.linear(x, weight)).abs().mean()
+
+
 def test_gelu_and_leading_dimensions(quantize_mode):
     generator = torch.Generator().manual_seed(3)
     weight, bias = torch.randn(40, 64, generator=generator), torch.randn(40, generator=generator)  # 64: one int4 group
@@ -102,11 +124,12 @@ def test_gelu_and_leading_dimensions(quantize_mode):
     assert torch.equal(plain[1, 2], quantized(x[1, 2], bias))
 
 
-def test_a_rows_result_does_not_depend_on_its_batch():
+@pytest.mark.parametrize("passes", [1, 2])
+def test_a_rows_result_does_not_depend_on_its_batch(passes):
     # FBGEMM itself picks one input scale per call: a neighbour 1000x larger would coarsen this
     # row's rounding. Each row's own range makes its output bit-identical alone and in any batch.
     generator = torch.Generator().manual_seed(4)
-    int8 = Int8Weight(torch.randn(64, 48, generator=generator))
+    int8 = Int8Weight(torch.randn(64, 48, generator=generator), passes)
     row = torch.randn(1, 48, generator=generator)
     alone = int8(row)
     for neighbours in (torch.randn(7, 48, generator=generator) * 1000, torch.full((3, 48), -0.001), torch.zeros(2, 48)):
@@ -154,6 +177,9 @@ def test_quantize_replaces_every_product_and_keeps_the_embedding(models, tiny_mo
     assert_every_product_quantized(float_model, int8_model, Int8Weight)
     assert int8_model.quantization == "int8"
     assert torch.equal(int8_model.wte.weight, float_model.wte.weight)  # the lookup stays float
+    passes = [[m.packed.passes for m in block.modules() if isinstance(m, Conv1D)] for block in int8_model.h]
+    assert passes == [[2] * 4 if i < PRECISE_BLOCKS else [1] * 4 for i in range(len(passes))]
+    assert int8_model._lm_head_packed.passes == 1
     untouched = load_model(tiny_model_dir)
     untouched.quantize("none")
     assert not any(isinstance(m.packed, Int8Weight) for m in untouched.modules() if isinstance(m, Conv1D))
