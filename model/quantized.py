@@ -213,7 +213,8 @@ class Int8Weight(QuantizedWeight):
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None, gelu: bool = False) -> torch.Tensor:
         # Few and in-place ops: at one row each costs about what its arithmetic does.
         rows = x.reshape(-1, self.shape[1])  # [M, in]
-        low, high = torch.aminmax(rows, dim=1, keepdim=True)  # [M, 1] each
+        # Not torch.aminmax: along rows it is ~10x slower than amin and amax (0.35 vs 0.04 ms at 32 x 3072).
+        low, high = rows.amin(1, keepdim=True), rows.amax(1, keepdim=True)  # [M, 1] each
         center = low.lerp(high, 0.5)  # [M, 1]
         half = high.sub(center).clamp_min_(TINY)  # [M, 1]
         # clamp: (low - center) / half may round one ulp below -1, which would move FBGEMM's grid.
