@@ -19,7 +19,7 @@ from model.config import GPT2Config
 from model.kv_cache import KVCache, SlotBatch
 from model.linear import Conv1D, linear, pack, released
 from model.quantized import (
-    QUANTIZE_MODES, QUANTIZED_WEIGHTS, Int8Rows, block_weights, QuantizedWeight, quantize_problem, rescore_candidates,
+    QUANTIZE_MODES, QUANTIZED_WEIGHTS, Int8Rows, QuantizedWeight, block_weights, quantize_problem, rescore_candidates,
 )
 
 
