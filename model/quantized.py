@@ -18,6 +18,7 @@ GPT-2 124M's served float32 bytes, is released.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import warnings
 from collections.abc import Callable
@@ -128,11 +129,18 @@ def rescore_candidates(
 
 
 # --- int8 ---------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def quantized_tensors():
+    """Making qint8 tensors without torch's deprecation warning: FBGEMM's int8 ops still take them."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        yield
+
+
 def quantize_per_channel(weight: torch.Tensor, levels: int = 127) -> torch.Tensor:
     """[out, in] float -> qint8, symmetric per output channel: scale = max |w| of the row / levels."""
     scale = weight.abs().amax(dim=1).clamp_min(TINY) / levels  # [out]
-    with warnings.catch_warnings():  # quantized tensors are deprecated; FBGEMM's op still takes them
-        warnings.simplefilter("ignore", UserWarning)
+    with quantized_tensors():
         return torch.quantize_per_channel(
             weight, scale.double(), torch.zeros(len(weight), dtype=torch.long), 0, torch.qint8
         )
@@ -232,8 +240,7 @@ def stack_per_channel(grids: list[torch.Tensor]) -> torch.Tensor:
     """Per-channel qint8 weights [out_i, in] -> one [sum out_i, in], each channel keeping its scale."""
     scales = torch.cat([g.q_per_channel_scales() for g in grids])
     values = torch.cat([g.int_repr() for g in grids])
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
+    with quantized_tensors():
         return torch._make_per_channel_quantized_tensor(values, scales, torch.zeros(len(scales), dtype=torch.long), 0)
 
 
