@@ -63,6 +63,8 @@ from weights.tokenizer import GPT2Tokenizer
 log = logging.getLogger(__name__)
 
 QueueItem = TokenEvent | FinishedRequest | RequestFailed
+# Takes a token event and delivers it itself (True), or declines it (False): see hand_off.
+TokenSink = Callable[[TokenEvent], bool]
 
 
 class EngineClient:
@@ -86,11 +88,14 @@ class EngineClient:
         self.max_in_flight = max_in_flight or config.engine.max_slots + config.engine.max_waiting
         self.last_stats: StepStats | None = None
         self._queues: dict[str, asyncio.Queue] = {}
+        self._sinks: dict[str, TokenSink] = {}
         self._process: multiprocessing.process.BaseProcess | None = None
         self._context: zmq.asyncio.Context | None = None
         self._to_core: zmq.asyncio.Socket | None = None
         self._from_core: zmq.asyncio.Socket | None = None
-        self._reader: asyncio.Task | None = None
+        # Done when the core's last message (CoreExit) has been read, or reading stopped.
+        self._reader: asyncio.Future | None = None
+        self._inbox: zmq.Socket | None = None  # _from_core as a plain socket, read by _on_readable
         self._socket_dir: str | None = None
         self.link = link
         self._shared = SharedInFlight(link.run_dir, link.index) if link is not None else None
@@ -133,7 +138,13 @@ class EngineClient:
         self._core_fd = self._process.sentinel if self._process is not None else os.pidfd_open(ready.pid)
         loop = asyncio.get_running_loop()
         loop.add_reader(self._core_fd, self._on_core_exit)
-        self._reader = loop.create_task(self._read(), name="engine-core-reader")
+        # Read by a callback on the socket's descriptor, not by awaiting zmq.asyncio's recv: its
+        # futures, task wake-ups and event bookkeeping cost more than the step's own handling
+        # (docs/api-servers.md). ZeroMQ's descriptor is edge-triggered: each callback reads all.
+        self._reader = loop.create_future()
+        self._inbox = zmq.Socket.shadow(self._from_core.underlying)
+        loop.add_reader(self._inbox.FD, self._on_readable)
+        self._on_readable()  # what arrived before the descriptor was watched signals no edge
 
     async def _handshake(self) -> CoreReady | CoreExit:
         if self.link is None:
@@ -193,8 +204,7 @@ class EngineClient:
             if process.is_alive():
                 process.kill()  # it ignores SIGTERM: the HTTP side owns its shutdown
                 await asyncio.to_thread(process.join)
-        if self._reader is not None and not self._reader.done():
-            self._reader.cancel()
+        self._stop_reading()
         self._dead = True
         self._deliver_failures("the engine core stopped")
         for sock in (self._to_core, self._from_core):
@@ -229,11 +239,24 @@ class EngineClient:
         """Finish the request now, as cancelled, and free its slots in the core (None if it had
         already finished). Its queue gets nothing more."""
         self._queues.pop(request_id, None)
+        self._sinks.pop(request_id, None)
         finished = self.outputs.abort(request_id)
         if finished is not None and self.running:
             self._send(AbortRequests([request_id]))
         self._publish_in_flight()
         return finished
+
+    def hand_off(self, request_id: str, sink: TokenSink) -> None:
+        """Give the request's token events to `sink` as they arrive, instead of its queue, until
+        the sink declines one or take_back is called; the declined event and everything after it
+        (the request's last token and its result always) go to the queue, in order. The caller
+        hands off only while its queue is empty and it waits on it: then whatever the sink
+        delivers comes after all that the queue delivered (service/http/body_writer.py says why)."""
+        if request_id in self._queues:
+            self._sinks[request_id] = sink
+
+    def take_back(self, request_id: str) -> None:
+        self._sinks.pop(request_id, None)
 
     @property
     def in_flight(self) -> int:
@@ -248,17 +271,29 @@ class EngineClient:
         self._to_core.send(encoder.encode(message), copy=False)
 
     # --- the core's messages ------------------------------------------------------------------------
-    async def _read(self) -> None:
-        while True:
-            message = from_core.decode(await self._from_core.recv())
-            if isinstance(message, CoreExit):
-                if message.reason != "shut down":
-                    log.error("engine core exited: %s", message.reason)
-                self._dead = True
-                self._deliver_failures(f"the engine core exited: {message.reason}")
-                return
-            if isinstance(message, CoreOutput):
-                self._take_step(message)
+    def _on_readable(self) -> None:
+        inbox = self._inbox
+        while self._reader is not None and not self._reader.done() and inbox.get(zmq.EVENTS) & zmq.POLLIN:
+            try:
+                self._take_message(from_core.decode(inbox.recv(zmq.NOBLOCK)))
+            except Exception:  # one bad step must not stop every stream's reading
+                log.exception("handling the engine core's message failed")
+
+    def _take_message(self, message) -> None:
+        if isinstance(message, CoreExit):
+            if message.reason != "shut down":
+                log.error("engine core exited: %s", message.reason)
+            self._dead = True
+            self._deliver_failures(f"the engine core exited: {message.reason}")
+            self._stop_reading()
+        elif isinstance(message, CoreOutput):
+            self._take_step(message)
+
+    def _stop_reading(self) -> None:
+        if self._reader is None or self._reader.done():
+            return
+        asyncio.get_running_loop().remove_reader(self._inbox.FD)
+        self._reader.set_result(None)
 
     def _take_step(self, message: CoreOutput) -> None:
         step = message.step
@@ -273,16 +308,35 @@ class EngineClient:
                 self.on_step(step.stats)
             except Exception:
                 log.exception("on_step callback failed")
+        ended = [*processed.finished, *processed.failed]
+        sinks = self._sinks
+        # A request's last token goes with its result, to its queue (TGI puts the result on it).
+        ending = {result.request_id for result in ended} if sinks and ended else ()
         for event in processed.events:
-            queue = self._queues.get(event.request_id)
+            request_id = event.request_id
+            sink = sinks.get(request_id)
+            if sink is not None:
+                if request_id not in ending and self._sink_took(sink, event):
+                    continue
+                del sinks[request_id]
+            queue = self._queues.get(request_id)
             if queue is not None:
                 queue.put_nowait(event)
-        for result in [*processed.finished, *processed.failed]:
+        for result in ended:
+            sinks.pop(result.request_id, None)
             queue = self._queues.pop(result.request_id, None)
             if queue is not None:
                 queue.put_nowait(result)
         if processed.finished or processed.failed:
             self._publish_in_flight()
+
+    @staticmethod
+    def _sink_took(sink: TokenSink, event: TokenEvent) -> bool:
+        try:
+            return sink(event)
+        except Exception:  # the reader serves every request: one sink's bug must not end it
+            log.exception("a token sink failed; its request goes on through its queue")
+            return False
 
     def _on_core_exit(self) -> None:
         """The core's process ended. A clean shutdown is finished by the reader; a crash fails
@@ -297,11 +351,11 @@ class EngineClient:
             died += f" (exit code {self._process.exitcode})"
         log.error(died)
         self._dead = True
-        if self._reader is not None:
-            self._reader.cancel()
+        self._stop_reading()
         self._deliver_failures(died)
 
     def _deliver_failures(self, message: str) -> None:
+        self._sinks.clear()
         for failed in self.outputs.fail_all(message):
             queue = self._queues.pop(failed.request_id, None)
             if queue is not None:

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 from starlette.requests import Request
 
-from service.http.client import EngineClient
+from service.http.client import EngineClient, TokenSink
+from service.http.sse import wait_for_disconnect
 from service.common.errors import ApiError, overloaded_error, validation_error
 from service.common.metrics import Metrics, set_outcome
 from service.engine.types import (
@@ -68,7 +69,7 @@ class Generations:
         """Wait for every request of the call; None if the client left first (all cancelled)."""
         batch = self.submit(requests)
         waiting = asyncio.ensure_future(self._all_finished(batch))
-        gone = asyncio.ensure_future(wait_for_disconnect(http))
+        gone = asyncio.ensure_future(wait_for_disconnect(http.receive))
         try:
             await asyncio.wait({waiting, gone}, return_when=asyncio.FIRST_COMPLETED)
             if waiting.done():
@@ -92,23 +93,38 @@ class Generations:
                 return stream.finished
 
     # --- streaming --------------------------------------------------------------------------
-    async def events(self, batch: CallStreams, http: Request) -> AsyncIterator[list[tuple[int, list[Item]]]]:
+    async def events(
+        self, batch: CallStreams, http: Request, direct: TokenSink | None = None
+    ) -> AsyncIterator[list[tuple[int, list[Item]]]]:
         """What arrived together, until all finish: (index of the request in the batch, its items)
         for every request that has news, so that a step's events for a call make one write.
 
         Items are in arrival order; a request's last TokenEvent and its FinishedRequest come out
         in the same list when the engine delivered them in the same step, so a stream can put
         the final details on the last token, as TGI does.
+
+        `direct` (one request only): once the first items have been yielded, and whenever this
+        waits with nothing queued, the core reader hands the request's token events to `direct`
+        (which writes them to the client itself) until it declines one; those never come out here.
         """
         pending: dict[asyncio.Future, int] = {}
         try:
             if len(batch.streams) == 1:
                 # One request (every TGI stream): wait on its queue itself, with no task per wake.
-                stream, ended = batch.streams[0], False
+                stream, ended, yielded = batch.streams[0], False, False
+                request_id = stream.request.request_id
                 while not ended:
-                    items = [await stream.queue.get()] + drain_now(stream.queue)
+                    # Not before the first yield: the response's first chunk (and its keep-alive
+                    # pings until then) go out through the response itself.
+                    if direct is not None and yielded and stream.queue.empty():
+                        self.client.hand_off(request_id, direct)
+                    try:
+                        items = [await stream.queue.get()] + drain_now(stream.queue)
+                    finally:
+                        self.client.take_back(request_id)
                     ended = any([self._take(stream, item) for item in items])
                     yield [(0, items)]
+                    yielded = True  # and, when this resumes, written by the response
                 return
             for index, stream in enumerate(batch.streams):
                 pending[asyncio.ensure_future(stream.queue.get())] = index
@@ -180,11 +196,3 @@ def drain_now(queue: asyncio.Queue) -> list:
     while not queue.empty():
         items.append(queue.get_nowait())
     return items
-
-
-async def wait_for_disconnect(http: Request) -> None:
-    """Returns when the client closes the connection (the body has already been read)."""
-    while True:
-        message = await http.receive()
-        if message["type"] == "http.disconnect":
-            return

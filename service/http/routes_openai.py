@@ -29,7 +29,8 @@ from service.engine.types import FinishedRequest, FinishedSequence, GenerationRe
 from service.http.routes_tgi import CLIENT_GONE, ERRORS
 from service.http.scoring import completion_logprobs, vllm_prompt_logprobs
 from service.http.schemas import CompletionRequest, CompletionResponse, ModelList
-from service.http.sse import DONE, EventStream, encode_json, json_string, sse
+from service.http.body_writer import body_writer
+from service.http.sse import DONE, SERVER_SEND, EventStream, encode_json, json_string, sse
 from service.http.state import ServiceState, service_state
 from weights.tokenizer import GPT2Tokenizer
 
@@ -179,6 +180,13 @@ async def stream_chunks(state: ServiceState, call: Call, batch: CallStreams, req
     body, tokenizer = call.body, state.tokenizer
     offsets: dict[int, int] = {}  # choice index → characters sent so far (text_offset)
     generated = 0
+    # The core reader may write the per-token text events itself (service/http/body_writer.py):
+    # when they are plain (no logprobs, so no offsets to keep) and the call has one sequence (more
+    # would each be a write, where the stream writes what a step brings a call at once).
+    plain = body.logprobs is None and len(call.requests) == 1 and body.n == 1
+    writer = body_writer(request.scope.get(SERVER_SEND)) if plain else None
+    direct = writer.token_sink(lambda event: call.text_event(call.choice_index(0, event.sequence_index), event.text)) \
+        if writer is not None else None
     try:
         if body.echo:
             for request_index in range(len(call.requests)):
@@ -187,7 +195,7 @@ async def stream_chunks(state: ServiceState, call: Call, batch: CallStreams, req
                     index = call.choice_index(request_index, sequence_index)
                     offsets[index] = len(prompt.text)
                     yield call.text_event(index, prompt.text)
-        async for arrived in state.generations.events(batch, request):
+        async for arrived in state.generations.events(batch, request, direct):
             chunk = []
             for request_index, items in arrived:
                 for item in items:

@@ -19,7 +19,8 @@ from service.common.metrics import set_outcome
 from service.engine.types import FinishedRequest, FinishedSequence, GenerationRequest, TokenEvent
 from service.http.scoring import tgi_top_tokens
 from service.http.schemas import GenerateResponse, TGIParameters, TGIRequest
-from service.http.sse import EventStream, json_number, json_string, sse
+from service.http.body_writer import BodyWriter, body_writer
+from service.http.sse import SERVER_SEND, EventStream, json_number, json_string, sse
 from service.http.state import ServiceState, service_state
 from weights.tokenizer import GPT2Tokenizer
 
@@ -60,8 +61,9 @@ async def generate_stream(body: TGIRequest, request: Request) -> Response:
     check_streamable(body)
     prompts, requests = await admit(state, body)
     batch = state.generations.submit(requests)
+    numbering = TokenNumbering(state.tokenizer, body_writer(request.scope.get(SERVER_SEND)))
     return EventStream(
-        tgi_events(state, batch, prompts[0], body.parameters, request),
+        tgi_events(state, batch, prompts[0], body.parameters, request, numbering),
         on_close=lambda: state.generations.end(batch, request),
     )
 
@@ -155,14 +157,32 @@ def token_details(seq: FinishedSequence, tokenizer: GPT2Tokenizer) -> list[dict]
 # --- streaming -----------------------------------------------------------------------------------
 
 
+class TokenNumbering:
+    """A TGI stream's token count (`index`, from 1); `writer`: the connection's, for the core
+    reader to write the per-token events itself (service/http/body_writer.py), if the server allows."""
+
+    def __init__(self, tokenizer: GPT2Tokenizer, writer: BodyWriter | None) -> None:
+        self.tokenizer = tokenizer
+        self.writer = writer
+        self.index = 0
+
+    def plain_event(self, event: TokenEvent) -> bytes:
+        self.index += 1
+        return token_event(self.index, event.token_id, event.text, event.logprob,
+                           self.tokenizer.is_special(event.token_id))
+
+
 async def tgi_events(
-    state: ServiceState, batch: CallStreams, prompt: Prompt, p: TGIParameters, request: Request
+    state: ServiceState, batch: CallStreams, prompt: Prompt, p: TGIParameters, request: Request,
+    numbering: TokenNumbering,
 ) -> AsyncIterator[bytes]:
     """TGI's stream: one event per token; the last also carries generated_text (and details)."""
     tokenizer = state.tokenizer
-    index = 0
+    # Events with top tokens are not plain ones: such a stream sends every event itself.
+    writer = numbering.writer if not p.top_n_tokens else None
+    direct = writer.token_sink(numbering.plain_event) if writer is not None else None
     try:
-        async for arrived in state.generations.events(batch, request):
+        async for arrived in state.generations.events(batch, request, direct):
             chunk = []
             for _, items in arrived:
                 tokens, finished = [], None
@@ -172,12 +192,12 @@ async def tgi_events(
                     elif isinstance(item, FinishedRequest):
                         finished = item
                 for position, event in enumerate(tokens):
-                    index += 1
                     last = finished is not None and position == len(tokens) - 1
                     if event.top_logprobs is None and not last:
-                        chunk.append(token_event(index, event.token_id, event.text, event.logprob,
-                                                 tokenizer.is_special(event.token_id)))
+                        chunk.append(numbering.plain_event(event))
                         continue
+                    numbering.index += 1
+                    index = numbering.index
                     payload = stream_token(event.token_id, event.text, event.logprob, index, tokenizer)
                     if event.top_logprobs is not None:
                         payload["top_tokens"] = tgi_top_tokens(event.top_logprobs, tokenizer)
@@ -189,7 +209,8 @@ async def tgi_events(
                     # TGI's last event still needs a token to hang the details on.
                     seq = finished.sequences[0]
                     token_id = seq.token_ids[-1] if seq.token_ids else tokenizer.eos_token_id
-                    payload = stream_token(token_id, "", seq.logprobs[-1] if seq.logprobs else 0.0, index, tokenizer)
+                    payload = stream_token(token_id, "", seq.logprobs[-1] if seq.logprobs else 0.0, numbering.index,
+                                           tokenizer)
                     payload.update(stream_end(finished, prompt, p))
                     chunk.append(sse(payload))
             yield b"".join(chunk)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
 
 from fastapi.sse import KEEPALIVE_COMMENT, format_sse_event
 from json.encoder import encode_basestring as json_string  # a str as json.dumps(ensure_ascii=False) writes it
@@ -62,9 +62,10 @@ async def keepalive_until_first(content: AsyncIterator[bytes], interval: float) 
 class EventStream(StreamingResponse):
     """A text/event-stream response that calls `on_close` however it ends.
 
-    When the client disconnects, Starlette cancels the response task; an async generator that
-    had not started (or is parked at a yield) would never run its `finally`, and the engine
-    would keep generating for nobody. `on_close` cancels what has not finished.
+    When the client disconnects, the response is cancelled (until_disconnect, as Starlette's
+    StreamingResponse does); an async generator that had not started (or is parked at a yield)
+    would never run its `finally`, and the engine would keep generating for nobody. `on_close`
+    cancels what has not finished.
     Each chunk of `content` is one socket write: a step's events for a call go in one chunk.
     """
 
@@ -79,7 +80,7 @@ class EventStream(StreamingResponse):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         self._send_body = scope.get(SERVER_SEND, send)
         try:
-            await super().__call__(scope, receive, send)
+            await until_disconnect(self.stream_response(send), receive)
         finally:
             self.on_close()
 
@@ -94,3 +95,27 @@ class EventStream(StreamingResponse):
         async for chunk in content:
             await send_body({"type": "http.response.body", "body": chunk, "more_body": True})
         await send_body({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+async def until_disconnect(response: Coroutine[None, None, None], receive: Receive) -> None:
+    """Run `response` until it ends, or cancel it when the client disconnects first; its errors
+    are raised. What Starlette's StreamingResponse does with an anyio task group, in two asyncio
+    tasks: anyio builds a cancel scope, task handles and events for each response (~40 µs per
+    task handle here), a cost paid by every streamed request (docs/api-servers.md)."""
+    sending = asyncio.ensure_future(response)
+    listening = asyncio.ensure_future(wait_for_disconnect(receive))
+    try:
+        await asyncio.wait({sending, listening}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (listening, sending):
+            task.cancel()
+        # Whatever ended them, both are over before the response's own cleanup runs.
+        await asyncio.gather(listening, sending, return_exceptions=True)
+    if not sending.cancelled():
+        sending.result()
+
+
+async def wait_for_disconnect(receive: Receive) -> None:
+    """Returns when the client closes the connection (the request's body has been read)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass

@@ -91,6 +91,46 @@ def test_requests_stream_from_the_core_process_and_match_generate(make_client, h
     assert not client.running
 
 
+def test_a_sink_takes_what_it_accepts_and_the_queue_the_rest_in_order(make_client, caplog):
+    """EngineClient.hand_off, as an event stream uses it: the sink writes tokens itself while the
+    stream waits on an empty queue; a token it declines (or fails on), the last token and the
+    result come through the queue, and nothing is lost or reordered."""
+    client = make_client()
+    request = make_request(random_prompt(5, seed=3), max_new_tokens=12)
+    offered, taken, order = [], [], []  # order: as the client would see them written
+
+    def sink(event: TokenEvent) -> bool:
+        offered.append(event)
+        if len(offered) == 3:
+            return False
+        if len(offered) == 6:
+            raise RuntimeError("a sink's bug")
+        taken.append(event)
+        order.append(event)
+        return True
+
+    async def main():
+        await client.start()
+        [queue] = client.submit([request])
+        finished = None
+        while finished is None:
+            client.hand_off(request.request_id, sink)
+            items = [await asyncio.wait_for(queue.get(), WAIT)]
+            client.take_back(request.request_id)
+            while not queue.empty():
+                items.append(queue.get_nowait())
+            order.extend(item for item in items if isinstance(item, TokenEvent))
+            finished = next((item for item in items if isinstance(item, FinishedRequest)), None)
+        await client.stop()
+        return finished
+
+    finished = run(main)
+    assert [e.token_id for e in order] == finished.sequences[0].token_ids
+    assert len(taken) >= 4 and offered[2] not in taken and offered[5] not in taken  # declined, then failed
+    assert order[-1] not in offered  # the last token goes with the result
+    assert "a token sink failed" in caplog.text
+
+
 def test_cancel_finishes_at_once_and_frees_the_core_slots(make_client):
     client = make_client()
 

@@ -1,10 +1,11 @@
-"""What service/http/server.py reads of uvicorn's internals, checked on the installed uvicorn and
-httptools.
+"""What service/http/server.py and service/http/body_writer.py read of uvicorn's internals,
+checked on the installed uvicorn and httptools.
 
 No documented uvicorn hook gives read deadlines for headers and bodies, a limit on the headers'
 size with httptools, or a connection cap that closes idle connections instead of holding them
 (server.py says why), so GuardedProtocol subclasses uvicorn's HttpToolsProtocol, extending the
-parser's callbacks, and DrainingServer reads the server's connections. pyproject.toml pins uvicorn
+parser's callbacks, and DrainingServer reads the server's connections; BodyWriter writes a
+streamed response's chunks past uvicorn's `send`, reading its RequestResponseCycle. pyproject.toml pins uvicorn
 and httptools to the ranges these pass with; a version that moves any of it fails here, naming
 what moved, rather than in the live tests with a timeout.
 """
@@ -21,6 +22,7 @@ import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.server import ServerState
 
+from service.http.body_writer import body_writer
 from service.http.server import BODY, HEAD, MAX_HEAD_BYTES, DrainingServer, GuardedProtocol
 
 
@@ -231,3 +233,46 @@ def test_the_draining_server_finds_its_connections():
     expect(isinstance(server.config.timeout_graceful_shutdown, (int, float, type(None))),
            "Config.timeout_graceful_shutdown is gone")
     expect(server._in_flight() is False, "a server with no connections reports requests in flight")
+
+
+async def a_stream_written_past_send() -> None:
+    """service/http/body_writer.py writes body chunks to uvicorn's connection itself, between the
+    response's own sends: the same framing, and only while uvicorn's `send` would write at once."""
+    protocol, transport = open_connection()
+    seen: dict[str, bool] = {}
+    release = asyncio.Event()
+
+    async def streaming_app(scope, receive, send) -> None:
+        writer = body_writer(send)
+        expect(writer is not None, "uvicorn's `send` is no longer a RequestResponseCycle's bound method")
+        seen["before start"] = writer.ready()
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
+        seen["started"] = writer.ready()
+        writer.write(b"direct")
+        await send({"type": "http.response.body", "body": b"sent", "more_body": True})
+        protocol.pause_writing()  # the transport is over its high-water mark
+        seen["paused"] = writer.ready()
+        protocol.resume_writing()
+        seen["resumed"] = writer.ready()
+        await release.wait()
+        seen["disconnected"] = writer.ready()
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        seen["complete"] = writer.ready()
+
+    protocol.app = streaming_app
+    protocol.data_received(b"GET / HTTP/1.1\r\nHost: localhost\r\n\r\n")
+    await until(lambda: "resumed" in seen, "the streaming app never ran")
+    head, _, body = bytes(transport.written).partition(b"\r\n\r\n")
+    expect(b"transfer-encoding: chunked" in head, "a response without a length is no longer chunked")
+    expect(body == b"6\r\ndirect\r\n4\r\nsent\r\n", f"a chunk written past `send` is framed otherwise: {body!r}")
+    protocol.connection_lost(None)
+    release.set()
+    await until(lambda: "complete" in seen, "the streaming app never ended")
+    expect(seen == {"before start": False, "started": True, "paused": False, "resumed": True,
+                    "disconnected": False, "complete": False},
+           f"RequestResponseCycle's state (response_started, chunked_encoding, flow.write_paused, "
+           f"disconnected, response_complete) no longer says when a chunk may be written: {seen}")
+
+
+def test_a_body_writer_writes_as_uvicorn_would_and_only_when_it_would():
+    asyncio.run(a_stream_written_past_send())

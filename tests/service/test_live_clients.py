@@ -62,6 +62,8 @@ def test_hf_text_generation_plain_details_and_stream(hf, tokenizer):
 
     events = list(hf.text_generation(PROMPT, max_new_tokens=8, stream=True, details=True))
     assert [e.token.id for e in events] == [t.id for t in out.details.tokens]
+    # Most of these events the core reader writes itself (service/http/body_writer.py), numbering them.
+    assert [e.index for e in events] == list(range(1, len(events) + 1))
     assert events[-1].generated_text == text
     assert events[-1].details.finish_reason == out.details.finish_reason
     assert events[-1].details.generated_tokens == out.details.generated_tokens

@@ -154,6 +154,55 @@ def test_an_event_streams_body_goes_to_the_servers_own_send():
     asyncio.run(scenario())
 
 
+def test_a_disconnect_cancels_the_stream_and_an_error_in_it_is_raised():
+    """EventStream watches for the client leaving itself (sse.until_disconnect, in place of
+    Starlette's anyio task group): the content is cancelled, its `finally` runs, on_close is
+    called, and the response ends quietly; an error of the content's own still reaches the server."""
+
+    async def endless(ended: list[str]):
+        try:
+            yield b"data: 1\n\n"
+            await asyncio.sleep(60)
+        finally:
+            ended.append("content")
+
+    async def failing():
+        yield b"data: 1\n\n"
+        raise RuntimeError("the stream broke")
+
+    async def scenario():
+        sent, ended = [], []
+        left = asyncio.Event()
+
+        async def send(message):
+            sent.append(message)
+            if message.get("body"):
+                left.set()
+
+        async def receive():
+            await left.wait()
+            return {"type": "http.disconnect"}
+
+        scope = {"type": "http", "asgi": {"spec_version": "2.3"}}
+        await asyncio.wait_for(EventStream(endless(ended), on_close=lambda: ended.append("on_close"))(scope, receive, send), 5)
+        assert ended == ["content", "on_close"]
+        assert [m.get("body") for m in sent] == [None, b"data: 1\n\n"]  # no end: nobody to send it to
+
+        async def never():
+            await asyncio.sleep(60)
+
+        closed = []
+        try:
+            await EventStream(failing(), on_close=lambda: closed.append(True))(scope, never, send)
+        except RuntimeError as error:
+            assert str(error) == "the stream broke"
+        else:
+            raise AssertionError("the content's error was swallowed")
+        assert closed == [True]
+
+    asyncio.run(scenario())
+
+
 def test_every_middleware_is_one_that_acts_on_the_start_message_alone(tiny_model_dir):
     """Event streams send their body chunks past the middlewares (SERVER_SEND); a middleware
     added later that must see body chunks (compression, say) would silently miss them. Adding
