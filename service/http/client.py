@@ -7,8 +7,10 @@
     finished = client.cancel(request_id)       # the client left: finished now, as cancelled
     await client.stop(timeout=30)              # drain: let running requests finish, then exit
 
-Everything runs on the event loop: one reader task receives the core's per-step messages, turns
-them into text and results (service/http/outputs.py) and hands each request's items to its queue.
+Everything runs on the event loop: one reader callback receives the core's per-step messages,
+turns them into text and results (service/http/outputs.py) and hands each request's items to its
+queue, or, for a stream that handed off (`hand_off`), its token events to the stream's sink, which
+writes them to the client at once.
 Admission is decided here, synchronously, so a refusal is an immediate 422 / 429 / 503: the core
 never has to answer a request with anything but tokens.
 If the core process dies, every waiting request fails at once and `running` turns False
@@ -186,7 +188,7 @@ class EngineClient:
         # Asked again: a signal that reaches every process at once (Ctrl-C) can come before the
         # supervisor has said that the whole server stops.
         if self._shut_core_down() and self._reader is not None:
-            # The reader ends on the core's CoreExit, after delivering its last results.
+            # Reading ends on the core's CoreExit, after delivering its last results.
             grace = None if timeout is None else timeout + 10.0
             await asyncio.wait({self._reader}, timeout=grace)
         await self._kill()
