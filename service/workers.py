@@ -170,7 +170,10 @@ def worker_main(args: list[str]) -> None:
 
     run_path, index, *argv = args
     settings = serving_settings(argv)
-    run(settings, CoreLink(RunDir(Path(run_path), settings.api_server_count), int(index)))
+    # The parent is still the supervisor here: had it died since this process was forked, its
+    # death signal (SIGTERM, not yet handled by uvicorn) would have ended this process already.
+    link = CoreLink(RunDir(Path(run_path), settings.api_server_count), int(index), supervisor_pid=os.getppid())
+    run(settings, link)
 
 
 if __name__ == "__main__":

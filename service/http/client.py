@@ -151,6 +151,30 @@ class EngineClient:
     async def _handshake(self) -> CoreReady | CoreExit:
         if self.link is None:
             return from_core.decode(await self._from_core.recv())
+        # One of several HTTP processes: the supervisor's core answers, unless the supervisor
+        # ends first (its core goes with it). Its death signal reaches this process, but uvicorn
+        # only flags an exit while the start-up waits, so without this watch the process would
+        # keep the port's socket for the whole start-up timeout.
+        try:
+            supervisor = os.pidfd_open(self.link.supervisor_pid)
+        except ProcessLookupError:
+            return CoreExit("the supervisor exited before the engine core was ready")
+        loop = asyncio.get_running_loop()
+        ended = loop.create_future()
+        loop.add_reader(supervisor, lambda: ended.done() or ended.set_result(None))
+        answer = asyncio.ensure_future(self._linked_handshake())
+        try:
+            await asyncio.wait({answer, ended}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            loop.remove_reader(supervisor)
+            os.close(supervisor)
+            if not answer.done():
+                answer.cancel()
+        if answer.done() and not answer.cancelled():
+            return answer.result()
+        return CoreExit("the supervisor exited before the engine core was ready")
+
+    async def _linked_handshake(self) -> CoreReady | CoreExit:
         await self._to_core.send(encoder.encode(Hello(self.link.index)))
         while True:
             # A restarted process may first get what the core queued for its predecessor.

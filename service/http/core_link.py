@@ -86,6 +86,9 @@ class SharedInFlight:
 class CoreLink:
     run_dir: RunDir
     index: int
+    # The supervisor's pid: while this process waits for the core's first answer, the
+    # supervisor's end means no core will ever answer (EngineClient.start stops waiting).
+    supervisor_pid: int
 
     @property
     def input_address(self) -> str:

@@ -9,10 +9,13 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
+import sys
 
 import pytest
 
 from service.http.client import EngineClient
+from service.http.core_link import CoreLink, RunDir
 from service.engine.core import EngineConfig
 from service.engine.process import CoreProcessConfig
 from service.engine.types import (
@@ -31,10 +34,10 @@ WAIT = 60.0
 
 @pytest.fixture
 def make_client(tiny_model_dir, tokenizer):
-    def make(on_step=None, max_in_flight=None, **engine) -> EngineClient:
+    def make(on_step=None, max_in_flight=None, link=None, **engine) -> EngineClient:
         engine_config = EngineConfig(**{"max_slots": 8, "max_len": TINY.n_positions, **engine})
         config = CoreProcessConfig(tiny_model_dir, "cpu", "float32", 1, engine_config, tokenizer.eos_token_id)
-        return EngineClient(config, tokenizer, on_step=on_step, max_in_flight=max_in_flight)
+        return EngineClient(config, tokenizer, on_step=on_step, max_in_flight=max_in_flight, link=link)
 
     return make
 
@@ -255,3 +258,29 @@ def test_a_core_that_cannot_load_its_model_fails_start_with_its_reason(make_clie
         assert not client.running
 
     run(main)
+
+
+@pytest.mark.parametrize("supervisor_ends", ["while the client waits", "before it starts"])
+def test_one_of_several_http_processes_stops_waiting_for_the_core_when_its_supervisor_ends(
+    make_client, tmp_path, supervisor_ends
+):
+    """--api-servers N: no core answers a process whose supervisor has died (the core dies with
+    it); start() must give up then, not at its timeout, so the port's socket is let go."""
+    run_dir = RunDir(tmp_path / "run", api_servers=1)
+    run_dir.create()
+    supervisor = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1.5)"])
+    if supervisor_ends == "before it starts":
+        supervisor.wait()
+    client = make_client(link=CoreLink(run_dir, 0, supervisor_pid=supervisor.pid))
+    timeout = 30.0  # far past the supervisor's 1.5 s: giving up at the timeout fails the match
+
+    async def main():
+        with pytest.raises(RuntimeError, match="supervisor exited"):
+            await client.start(timeout=timeout)
+        assert not client.running
+
+    try:
+        run(main)
+    finally:
+        supervisor.kill()
+        supervisor.wait()
