@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.common import interleaved
+from model.linear import linear, pack
 
 LAYERS, HEADS, HEAD_DIM, WIDTH = 12, 12, 64, 768
 
@@ -50,14 +51,13 @@ def main() -> None:
     served[..., :filled, :].normal_()
     token_major = served.transpose(-3, -2).contiguous()  # [2, layer, slot, position, head, d]
     narrow = served.bfloat16()
-    weights = [torch.randn(3 * WIDTH, WIDTH) for _ in range(LAYERS)]
-    packed = [torch.ops.mkldnn._reorder_linear_weight(w) for w in weights] if torch.backends.mkldnn.is_available() else weights
+    weights = [torch.randn(3 * WIDTH, WIDTH) for _ in range(LAYERS)]  # [out, in]
+    packed = [pack(w) for w in weights]  # as the model's products read them
     x = torch.randn(B, WIDTH)
 
     def queries(layer: int) -> torch.Tensor:
         """The layer's QKV product (as in a decode step: it evicts the cache), q as the model views it."""
-        w = packed[layer]
-        qkv = torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "") if w is not weights[layer] else x @ w.t()
+        qkv = linear(x, weights[layer], None, packed[layer])
         return qkv.view(B, 1, 3, HEADS, HEAD_DIM).permute(2, 0, 3, 1, 4)[0]  # [B, H, 1, d]
 
     def read(layer: int, b: int, n: int, how: str) -> tuple[torch.Tensor, torch.Tensor]:
