@@ -155,10 +155,11 @@ class EngineClient:
         # ends first (its core goes with it). Its death signal reaches this process, but uvicorn
         # only flags an exit while the start-up waits, so without this watch the process would
         # keep the port's socket for the whole start-up timeout.
+        orphaned = CoreExit("the supervisor exited before the engine core was ready")
         try:
             supervisor = os.pidfd_open(self.link.supervisor_pid)
         except ProcessLookupError:
-            return CoreExit("the supervisor exited before the engine core was ready")
+            return orphaned
         loop = asyncio.get_running_loop()
         ended = loop.create_future()
         loop.add_reader(supervisor, lambda: ended.done() or ended.set_result(None))
@@ -170,9 +171,7 @@ class EngineClient:
             os.close(supervisor)
             if not answer.done():
                 answer.cancel()
-        if answer.done() and not answer.cancelled():
-            return answer.result()
-        return CoreExit("the supervisor exited before the engine core was ready")
+        return answer.result() if answer.done() else orphaned
 
     async def _linked_handshake(self) -> CoreReady | CoreExit:
         await self._to_core.send(encoder.encode(Hello(self.link.index)))
