@@ -17,7 +17,7 @@ endif
 # machine, `make test-cuda TORCH_CPU=torch==2.13.0+cu130` (or any CUDA build) installs that instead.
 TORCH_CPU ?= torch==2.13.0
 
-.PHONY: install system-deps weights serve test test-floors test-cuda test-api-servers reliability bench-serve ln-experiment llama-cpp gguf bench-llama-cpp clean
+.PHONY: install system-deps weights serve test test-floors test-cuda gpu-check test-api-servers fuzz-invariance reliability bench-serve ln-experiment llama-cpp gguf bench-llama-cpp clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -85,6 +85,12 @@ test-floors: weights $(FLOORS_VENV)/.installed
 test-cuda: weights
 	GPT2_TEST_DEVICE=cuda $(PY) -m pytest tests/model tests/engine tests/analysis $(PYTEST_ARGS)
 
+# One GPU check (bench/gpu_check.py, docs/performance.md): the CUDA lane, served speed at 1/16/64/256
+# clients against a CUDA-graph anchor, --api-servers 1 vs 4, the spectrum, prefix caching,
+# speculation and --quantize, each part time-boxed; one report in runs/gpu-check (REPORT.md, report.json).
+gpu-check: weights
+	$(PY) -m bench.gpu_check $(GPU_CHECK_ARGS)
+
 # The --api-servers lane: the live-server suites with every server run as two HTTP processes in
 # front of one engine core (tests/service/live.py reads GPT2_TEST_API_SERVERS).
 LIVE_TESTS := tests/service/test_live_clients.py tests/service/test_live_lifecycle.py tests/service/test_api_servers.py
@@ -113,6 +119,13 @@ gguf: llama-cpp weights $(MODEL_DEPS)
 
 bench-llama-cpp: llama-cpp gguf
 	$(PY) -m bench.bench_serve --model-dir $(MODEL_DIR) --quantize none int8 int4 --no-reference --llama-cpp $(LLAMA_CPP_DIR)/bin $(BENCH_ARGS)
+
+# A long run of the batch-invariance fuzzer (tests/engine/invariance_fuzz.py; make test runs a
+# short one): FUZZ_CASES random (request, neighbours, features) cases, FUZZ_SEED to replay a run;
+# prints a shrunk reproducer for every request whose output depends on its neighbours. Hours.
+FUZZ_CASES ?= 10000
+fuzz-invariance: weights
+	$(PY) -m tests.engine.invariance_fuzz --cases $(FUZZ_CASES) $(if $(FUZZ_SEED),--seed $(FUZZ_SEED))
 
 # Runs the reliability tests (load, faults, fuzzing, hostile inputs) and rewrites RELIABILITY.md
 # from what they measured. RELIABILITY_SOAK=1 for the long soak.

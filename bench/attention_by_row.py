@@ -18,7 +18,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from bench.common import interleaved
+from bench.common import add_smoke_argument, interleaved
 from model.config import GPT2Config
 from model.gpt2 import GPT2, AttentionInputs, attend_by_row
 from model.kv_cache import KVCache
@@ -73,19 +73,23 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    add_smoke_argument(parser)
     args = parser.parse_args()
+    if args.smoke:
+        args.reps, args.batches = 1, [1, 2]
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    model = GPT2(GPT2Config()).eval()
+    # --smoke: a 2-layer 64-wide model for the whole step, not 124M's 500 MB of random weights.
+    model = GPT2(GPT2Config(n_layer=2, n_embd=64, n_head=2) if args.smoke else GPT2Config()).eval()
     model.prepare()
     print(f"{torch.get_num_threads()} thread(s); ms of CPU time for {LAYERS} layers' attention, best of {args.reps}")
     cases = []
     for B in args.batches:
         lengths = torch.linspace(64, 512, B).round().long().tolist() if B > 1 else [288]
         cases.append((f"decode B={B:2d}", [1] * B, lengths, decode_step_run(model, lengths)))
-    prompt_lengths = [20, 100, 300, 500]
-    cases.append(("prefill 20/100/300/500", prompt_lengths, prompt_lengths, None))
+    prompt_lengths = [20, 50] if args.smoke else [20, 100, 300, 500]
+    cases.append((f"prefill {'/'.join(map(str, prompt_lengths))}", prompt_lengths, prompt_lengths, None))
     for name, query_counts, key_counts, step in cases:
         runs = attention_runs(query_counts, key_counts)
         if step is not None:

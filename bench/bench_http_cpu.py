@@ -64,14 +64,20 @@ def compare(args: argparse.Namespace) -> None:
                 stats = serve_clients(servers[checkout], texts, args.clients, args.requests_per_client, args.new_tokens)
                 http_ms[checkout].append(stats.cpu_ms_per_token("http"))
             old, new = http_ms[args.old][-1], http_ms[args.new][-1]
-            print(f"round {round_}: HTTP CPU ms per token, old {old:.4f}, new {new:.4f}, new / old {new / old:.3f}",
+            print(f"round {round_}: HTTP CPU ms per token, old {old:.4f}, new {new:.4f}, new / old {ratio(new, old)}",
                   flush=True)
     finally:
         for server in servers.values():
             server.stop()
-    ratios = [n / o for o, n in zip(http_ms[args.old], http_ms[args.new])]
-    print(f"new / old: median {statistics.median(ratios):.3f}, of the means "
-          f"{statistics.mean(http_ms[args.new]) / statistics.mean(http_ms[args.old]):.3f} ({args.rounds} rounds)")
+    ratios = [n / o for o, n in zip(http_ms[args.old], http_ms[args.new]) if o]
+    median = f"{statistics.median(ratios):.3f}" if ratios else "-"
+    print(f"new / old: median {median}, of the means "
+          f"{ratio(statistics.mean(http_ms[args.new]), statistics.mean(http_ms[args.old]))} ({args.rounds} rounds)")
+
+
+def ratio(new: float, old: float) -> str:
+    """A round too short for one clock tick of the HTTP process's CPU time reads 0: no ratio."""
+    return f"{new / old:.3f}" if old else "-"
 
 
 def main() -> None:

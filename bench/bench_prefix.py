@@ -65,23 +65,19 @@ import asyncio
 import json
 import math
 import shlex
-import subprocess
 import sys
-from contextlib import contextmanager
-import threading
 import time
-from collections import deque
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.bench_serve import Server, drive_clients
-from bench.common import add_server_arguments, describe_machine
+from bench.bench_serve import drive_clients
+from bench.common import ServiceProcess, add_server_arguments, describe_machine, service_flags
 from bench.prefix_workloads import Prompts, Row, Sizes, mc_compare, rows_for, run_workload, workload_inputs
 from service.settings import CPU_PREFILL_TOKENS
-from tests.processes import clean_env, free_port
 from weights.tokenizer import GPT2Tokenizer
 
 WORKLOADS = ("mc-scoring", "repeated-prompt", "long-arrival", "fresh-prompts")
@@ -107,23 +103,12 @@ class ServerConfig:
         return f"prefix cache {'on' if self.prefix_caching else 'off'}, {PREFILL_FLAG} {chunk}"
 
 
-class PrefixServer(Server):
-    """bench_serve's Server with this benchmark's flags. Once up, its log is read as it comes (the
-    last lines kept): a server logging every request would otherwise block on a full pipe."""
+class PrefixServer(ServiceProcess):
+    """A server with a configuration's flags (`config.flags()`: a ServerConfig, or bench_speculative's)."""
 
-    def __init__(self, args: argparse.Namespace, slots: int, max_new_tokens: int, config: ServerConfig) -> None:
-        self.port = free_port()
+    def __init__(self, args: argparse.Namespace, slots: int, max_new_tokens: int, config) -> None:
         self.config = config
-        self.command = [
-            sys.executable, "-m", "service", "--model-dir", str(args.model_dir), "--port", str(self.port),
-            "--device", args.device, "--dtype", args.dtype, "--max-batch-size", str(slots),
-            "--max-waiting", str(max(64, slots)), "--max-new-tokens", str(max_new_tokens), *config.flags(),
-        ]
-        if args.threads:
-            self.command += ["--threads", str(args.threads)]
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_tail: deque[str] = deque(maxlen=50)
-        self.process = subprocess.Popen(self.command, env=clean_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        super().__init__(service_flags(args, slots, max_new_tokens) + config.flags())
 
     def wait_ready(self) -> None:
         try:
@@ -134,11 +119,6 @@ class PrefixServer(Server):
                 raise SystemExit(f"this server's `python -m service` does not take {' '.join(self.config.flags())}: "
                                  f"{refused[-1].strip()}") from None
             raise
-        threading.Thread(target=self._read_log, daemon=True).start()
-
-    def _read_log(self) -> None:
-        for line in self.process.stderr:
-            self.log_tail.append(line.decode(errors="replace"))
 
     def model_name(self) -> str:
         return httpx.get(f"{self.url}/v1/models", timeout=30).json()["data"][0]["id"]
@@ -298,13 +278,14 @@ def run_server(args, name: str, config: ServerConfig, workloads: list[str], slot
 
 
 @contextmanager
-def serving(server: Server, name: str):
+def serving(server: ServiceProcess, name: str):
     """Stop the server however the block ends; on an error, show the end of its log first."""
     try:
         yield server
     except BaseException:
-        if server.log_tail:
-            print(f"[{name}] server log, last lines:\n{''.join(server.log_tail)}", file=sys.stderr)
+        tail = server.log_tail()
+        if tail:
+            print(f"[{name}] server log, last lines:\n{tail}", file=sys.stderr)
         raise
     finally:
         server.stop()

@@ -33,9 +33,6 @@ import argparse
 import asyncio
 import json
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,13 +41,15 @@ import httpx
 import torch
 
 from bench import llama_cpp_bench
-from bench.common import describe_machine, load_both
+from bench.common import ServiceProcess, describe_machine, load_both, service_flags
 from bench.llama_cpp import BUILD_ROOT, TOOLS, convert
 from model.config import DTYPES
 from model.quantized import QUANTIZE_MODES
+from service.__main__ import parse_settings
+from service.app import core_config
 from service.engine.types import GenerationRequest, SamplingParams
 from service.inprocess import Engine, EngineConfig
-from tests.processes import STARTUP_TIMEOUT_S, api_server_pids, clean_env, cpu_seconds, engine_core_pid, free_port
+from tests.processes import api_server_pids, cpu_seconds, engine_core_pid
 from weights.checkpoint import load_model
 from weights.tokenizer import GPT2Tokenizer
 
@@ -89,51 +88,24 @@ def percentile(values: list[float], q: float) -> float:
 
 
 # --- the server ---------------------------------------------------------------------------------
-class Server:
+class Server(ServiceProcess):
     def __init__(self, args: argparse.Namespace, slots: int, quantize: str = "none", api_servers: int = 1,
                  checkout: Path | None = None) -> None:
         """`checkout`: the folder whose code `-m service` runs (another worktree); default, this one."""
-        self.port = free_port()
         self.label = quantize if len(args.api_servers) == 1 else f"{quantize}, {api_servers} HTTP"
-        command = [
-            sys.executable, "-m", "service", "--model-dir", str(args.model_dir), "--port", str(self.port),
-            "--device", args.device, "--dtype", args.dtype, "--max-batch-size", str(slots),
-            "--max-waiting", str(max(64, slots)), "--max-new-tokens", str(max(args.new_tokens, 20)),
-        ]
-        if args.threads:
-            command += ["--threads", str(args.threads)]
+        flags = service_flags(args, slots, args.new_tokens)
         if quantize != "none":
-            command += ["--quantize", quantize]
+            flags += ["--quantize", quantize]
         if api_servers != 1:
-            command += ["--api-servers", str(api_servers)]
-        self.url = f"http://127.0.0.1:{self.port}"
-        # Its log goes to a file: a pipe nobody reads fills after a few hundred requests' access
-        # lines, and the server then blocks writing the next.
-        self.log = tempfile.TemporaryFile()
-        self.process = subprocess.Popen(command, cwd=checkout, env=clean_env(), stdout=subprocess.DEVNULL,
-                                        stderr=self.log)
+            flags += ["--api-servers", str(api_servers)]
+        super().__init__(flags, cwd=checkout)
 
-    def wait_ready(self) -> None:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                self.log.seek(0)
-                raise RuntimeError(f"server exited: {self.log.read().decode()[-2000:]}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise RuntimeError("server did not start")
-
-    def stop(self) -> None:
-        self.process.terminate()
-        try:
-            self.process.wait(30)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-        self.log.close()
+    def engine_config(self, eos_token_id: int, max_len: int) -> EngineConfig:
+        """The engine core's config as this server builds it from its flags (service/app.py), so
+        the in-process reference admits, batches and prefills as the served engine does (a
+        hand-built one queued 64 requests, and 256 clients' raised QueueFull); only max_len is
+        the benchmark's longest request rather than the context, for a smaller KV cache."""
+        return core_config(parse_settings(self.flags), max_len, eos_token_id).engine
 
 
 async def stream_one(http: httpx.AsyncClient, url: str, text: str, new_tokens: int, stats: ClientStats) -> None:
@@ -352,7 +324,7 @@ def main() -> None:
         if len(servers) > 1:
             print(f"--quantize {mode} --api-servers {n}")
         report(args, {c: served[(mode, n), c] for c in args.clients}, models[mode], reference, tokenizer, prompts,
-               slots, max_len, hf_rates)
+               server.engine_config(tokenizer.eos_token_id, max_len), hf_rates)
     if len(servers) > 1:
         first, *others = servers.values()
         print(f"\nserved tok/s over {first.label}'s")
@@ -373,7 +345,7 @@ def llama_cpp_row(args, mode: str, ours: float, workload: str, theirs: float) ->
     return precision, workload, ours, theirs
 
 
-def report(args, served: dict[int, ClientStats], ours, reference, tokenizer, prompts, slots: int, max_len: int,
+def report(args, served: dict[int, ClientStats], ours, reference, tokenizer, prompts, engine_config: EngineConfig,
            hf_rates: dict[int, float | None]) -> None:
     """One table: each client count as served, beside the engine called directly on the same
     weights and transformers (measured once per client count, in hf_rates)."""
@@ -381,10 +353,12 @@ def report(args, served: dict[int, ClientStats], ours, reference, tokenizer, pro
     print(header)
     cpu_rows = []
     with torch.inference_mode():
+        # One engine for every client count, as one server served them all (its prefix cache
+        # and, on CUDA, its captured graphs carried from row to row alike).
+        engine = Engine(ours, tokenizer, engine_config)
         for clients in args.clients:
             stats = served[clients]
             served_rate = stats.tokens / stats.seconds
-            engine = Engine(ours, tokenizer, EngineConfig(max_slots=slots, max_len=max_len))
             engine_direct(engine, prompts, min(clients, 2), 1, 4)  # warm-up
             direct, direct_cpu = engine_direct(engine, prompts, clients, args.requests_per_client, args.new_tokens)
             cpu_rows.append(f"{clients:7d} {stats.cpu_ms_per_token('http'):8.2f} {stats.cpu_ms_per_token('core'):8.2f} "

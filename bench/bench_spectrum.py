@@ -24,9 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -35,9 +32,8 @@ from pathlib import Path
 
 import torch
 
-from bench.common import describe_machine, paired_ratio
+from bench.common import ServiceProcess, describe_machine, paired_ratio
 from model.analysis import analyze
-from tests.processes import free_port
 from weights.checkpoint import load_model
 from weights.tokenizer import GPT2Tokenizer
 
@@ -72,7 +68,7 @@ def timed(run) -> tuple[object, float, float]:
     return result, time.perf_counter() - wall, time.process_time() - cpu
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model-dir", type=Path, default=Path("weights/gpt2"))
     parser.add_argument("--tokens", type=int, default=1024)
@@ -80,7 +76,11 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--http", action="store_true", help="time the real server over HTTP")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where both the recipe and ours run")
-    args = parser.parse_args()
+    return parser.parse_args(argv)
+
+
+def main() -> None:
+    args = parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     from transformers import AutoModel
@@ -133,31 +133,10 @@ def post_json(url: str, body: dict, timeout: float = 600.0) -> dict:
 @contextmanager
 def served(model_dir: Path, threads: int | None, device: str = "cpu", startup_timeout: float = 300.0) -> Iterator[str]:
     """The real server on a free port; yields its base URL once /health answers."""
-    port = free_port()
-    command = [sys.executable, "-m", "service", "--model-dir", str(model_dir), "--port", str(port), "--device", device]
-    if threads:
-        command += ["--threads", str(threads)]
-    log = tempfile.TemporaryFile()
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + startup_timeout
-        while True:
-            if process.poll() is not None:
-                log.seek(0)
-                raise RuntimeError(f"server exited ({process.returncode}): {log.read().decode()[-2000:]}")
-            try:
-                with urllib.request.urlopen(base + "/health", timeout=2):
-                    break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise RuntimeError("server did not answer /health in time") from None
-                time.sleep(0.1)
-        yield base
-    finally:
-        process.terminate()
-        process.wait(timeout=60)
-        log.close()
+    flags = ["--model-dir", str(model_dir), "--device", device] + (["--threads", str(threads)] if threads else [])
+    with ServiceProcess(flags) as server:
+        server.wait_ready(startup_timeout)
+        yield server.url
 
 
 def http_benchmark(args: argparse.Namespace, reference, ids: list[int]) -> None:

@@ -76,6 +76,7 @@ from bench.speculative_workloads import (
 from service.engine.ngram_drafter import NgramSettings
 from tests.processes import engine_core_pid
 from weights.corpus import load_corpus
+from weights.prepare import CACHE_DIR
 from weights.tokenizer import GPT2Tokenizer
 
 WORKLOADS = ("grounded", "open-ended")
@@ -255,7 +256,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     n_positions = json.loads((args.model_dir / "config.json").read_text())["n_positions"]
     tokenizer = GPT2Tokenizer.from_dir(args.model_dir)
-    _, held = load_corpus(Path("weights/.cache"))
+    _, held = load_corpus(CACHE_DIR)
     settings = NgramSettings(args.speculative_ngram_min, args.speculative_ngram_max, args.speculative_tokens)
     runs = build_runs(args, held, tokenizer, n_positions)
     max_new = max(r.body["parameters"]["max_new_tokens"] for *_, requests in runs for r in requests)

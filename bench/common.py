@@ -3,18 +3,23 @@
 from __future__ import annotations
 
 import argparse
-
 import os
 import platform
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import torch
 
 from model.gpt2 import GPT2
+from service.settings import Settings
+from tests.processes import STARTUP_TIMEOUT_S, clean_env, free_port
 from weights.checkpoint import load_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -105,3 +110,78 @@ def add_server_arguments(parser: argparse.ArgumentParser, model_dir: Path, workl
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     parser.add_argument("--threads", type=int, default=None, help="torch threads of each server's engine")
     parser.add_argument("--workloads", nargs="+", choices=workloads, default=list(workloads))
+
+
+def add_smoke_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--smoke", action="store_true",
+                        help="tiny sizes, one repetition: the script runs end to end in seconds (the test suite's "
+                             "smoke run); what it prints then measures nothing")
+
+
+def service_flags(args: argparse.Namespace, slots: int, max_new_tokens: int) -> list[str]:
+    """The `python -m service` flags every served benchmark's servers share (what its parser's
+    add_server_arguments, or bench_serve's own, took)."""
+    # The server refuses a --max-new-tokens below its default for requests that name none.
+    max_new_tokens = max(max_new_tokens, Settings.model_fields["default_max_new_tokens"].default)
+    flags = [
+        "--model-dir", str(args.model_dir), "--device", args.device, "--dtype", args.dtype,
+        "--max-batch-size", str(slots), "--max-waiting", str(max(64, slots)), "--max-new-tokens", str(max_new_tokens),
+    ]
+    if args.threads:
+        flags += ["--threads", str(args.threads)]
+    return flags
+
+
+class ServiceProcess:
+    """`python -m service FLAGS` on a free loopback port. Every benchmark's server starts, waits
+    and stops here, subclasses only choose the flags: a subclass that opened its own process would
+    also have to redo the log and the stop, and one that forgot half of it crashed at the end of
+    a run (bench_prefix, bench_speculative)."""
+
+    def __init__(self, flags: list[str], cwd: Path | None = None) -> None:
+        """`cwd`: the checkout whose code `-m service` runs (another worktree); default, this one."""
+        self.flags = list(flags)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.command = [sys.executable, "-m", "service", *self.flags, "--port", str(self.port)]
+        # Its log goes to a file: a pipe nobody reads fills after a few hundred requests' access
+        # lines, and the server then blocks writing the next.
+        self.log = tempfile.TemporaryFile()
+        self.process = subprocess.Popen(self.command, cwd=cwd, env=clean_env(), stdout=subprocess.DEVNULL,
+                                        stderr=self.log)
+
+    def log_tail(self, chars: int = 2000) -> str:
+        """The log's last characters. pread, not seek: the server writes through the same file
+        offset, and moving it would make the server overwrite its log."""
+        if self.log.closed:
+            return ""
+        size = os.fstat(self.log.fileno()).st_size
+        return os.pread(self.log.fileno(), chars, max(0, size - chars)).decode(errors="replace")
+
+    def wait_ready(self, timeout: float = STARTUP_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"server exited ({self.process.returncode}): {self.log_tail()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError(f"server did not start in {timeout:.0f} s: {self.log_tail()}")
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        self.log.close()
+
+    def __enter__(self) -> "ServiceProcess":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

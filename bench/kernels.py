@@ -14,17 +14,49 @@ from __future__ import annotations
 
 import argparse
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from bench.common import DTYPES, interleaved
+from bench.common import DTYPES, add_smoke_argument, interleaved
 from model.linear import linear, pack
 
-# (in, out) of c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj, then the tied LM head.
-BLOCK_SHAPES = [(768, 2304), (768, 768), (768, 3072), (3072, 768)]
-LAYERS = 12
-VOCAB = 50257
+
+@dataclass(frozen=True)
+class Shapes:
+    """The matrices of one decode step: `layers` copies of each block matrix, then the tied LM head."""
+
+    width: int
+    layers: int
+    vocab: int
+
+    @property
+    def blocks(self) -> list[tuple[int, int]]:
+        """(in, out) of c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj."""
+        w = self.width
+        return [(w, 3 * w), (w, w), (w, 4 * w), (4 * w, w)]
+
+    @property
+    def products(self) -> int:
+        return len(self.blocks) * self.layers + 1
+
+
+GPT2_124M = Shapes(width=768, layers=12, vocab=50257)
+# --smoke: int4's packed kernels need the widths in multiples of 64 (their groups).
+SMOKE = Shapes(width=128, layers=2, vocab=1024)
+
+
+def parse_shapes(parser: argparse.ArgumentParser) -> tuple[argparse.Namespace, Shapes]:
+    """The command line (its --threads applied) and the matrices to time: GPT-2 124M's, or with
+    --smoke tiny ones, once."""
+    add_smoke_argument(parser)
+    args = parser.parse_args()
+    if args.smoke:
+        args.reps = 1
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    return args, SMOKE if args.smoke else GPT2_124M
 
 
 def kernels(x: torch.Tensor, w_in_out: torch.Tensor, w_out_in: torch.Tensor, bias: torch.Tensor | None):
@@ -44,9 +76,7 @@ def main() -> None:
     parser.add_argument("--dtype", choices=DTYPES, default="float32")
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--reps", type=int, default=5)
-    args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    args, shapes = parse_shapes(parser)
     dtype = DTYPES[args.dtype]
     generator = torch.Generator().manual_seed(0)
 
@@ -55,8 +85,8 @@ def main() -> None:
         return [w.t().contiguous() for w in out_in], out_in  # [in, out], [out, in]
 
     # Distinct matrices per layer, as in the model: nothing stays in cache between products.
-    groups = {f"blocks {i}x{o}": (weights(i, o, LAYERS), torch.zeros(o, dtype=dtype)) for i, o in BLOCK_SHAPES}
-    groups["lm head 768x50257"] = (weights(768, VOCAB, 1), None)
+    groups = {f"blocks {i}x{o}": (weights(i, o, shapes.layers), torch.zeros(o, dtype=dtype)) for i, o in shapes.blocks}
+    groups[f"lm head {shapes.width}x{shapes.vocab}"] = (weights(shapes.width, shapes.vocab, 1), None)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.dtype}; best CPU ms per"
           " step (GB/s)")
     for rows in args.rows:

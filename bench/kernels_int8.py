@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.common import interleaved
-from bench.kernels import BLOCK_SHAPES, LAYERS, VOCAB
+from bench.kernels import parse_shapes
 from model.linear import linear, pack
 from model.quantized import Int4Weight, Int8Weight, full_range_activations, quantize_per_channel
 
@@ -116,18 +116,17 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                         help="cpu: this process's CPU seconds (all threads), for a machine others share")
-    args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    args, shapes = parse_shapes(parser)
     clock = time.perf_counter if args.clock == "wall" else time.process_time
     generator = torch.Generator().manual_seed(0)
     groups = {}
-    for n_in, n_out in BLOCK_SHAPES:
+    for n_in, n_out in shapes.blocks:
         groups[f"{n_in}x{n_out}"] = [
             (torch.randn(n_out, n_in, generator=generator) * 0.02, torch.randn(n_out, generator=generator) * 0.02)
-            for _ in range(LAYERS)
+            for _ in range(shapes.layers)
         ]
-    groups[f"lm head 768x{VOCAB}"] = [(torch.randn(VOCAB, 768, generator=generator) * 0.02, None)]
+    groups[f"lm head {shapes.width}x{shapes.vocab}"] = [
+        (torch.randn(shapes.vocab, shapes.width, generator=generator) * 0.02, None)]
     prepared = {name: [kernels(w, b) for w, b in mats] for name, mats in groups.items()}
     names = list(next(iter(prepared.values()))[0])
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU capability "
@@ -154,7 +153,7 @@ def main() -> None:
         reference = totals[rows]["fp32 oneDNN packed"]
         skipped |= {k for k, s in totals[rows].items() if s > SLOWER_THAN_FLOAT * reference}
 
-    print(f"\nms for one decode step's 49 products ({args.clock} clock; x: vs fp32 oneDNN packed)")
+    print(f"\nms for one decode step's {shapes.products} products ({args.clock} clock; x: vs fp32 oneDNN packed)")
     print(f"{'kernel':34s} " + " ".join(f"{f'{r} rows':>15s}" for r in args.rows) + f" {'rel. error':>11s}")
     for k in names:
         cells = []

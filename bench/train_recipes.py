@@ -17,6 +17,7 @@ import argparse
 import time
 from dataclasses import fields, replace
 
+from bench.common import add_smoke_argument
 from weights.corpus import load_corpus
 from weights.prepare import CACHE_DIR
 from weights.tokenizer import GPT2Tokenizer
@@ -54,13 +55,16 @@ def main(argv: list[str] | None = None) -> None:
     budget.add_argument("--steps", type=int, help="the same number of steps for every candidate")
     budget.add_argument("--minutes", type=float, help="the same training time for every candidate")
     parser.add_argument("candidates", nargs="+", help='"name key=value,key=value"')
+    add_smoke_argument(parser)
     args = parser.parse_args(argv)
     train_works, heldout_works = load_corpus(CACHE_DIR)
+    if args.smoke:  # one work each: tokenizing the whole corpus takes longer than a smoke run's training
+        train_works, heldout_works = train_works[:1], heldout_works[:1]
     tokenizer = GPT2Tokenizer.from_dir(gpt2_tokenizer_dir())
     train_ids, heldout_ids = token_stream(train_works, tokenizer), token_stream(heldout_works, tokenizer)
     rows = []
     for name, changes in map(parse_candidate, args.candidates):
-        config = replace(TrainConfig(), eval_windows=EVAL_WINDOWS, **changes)
+        config = replace(TrainConfig(), **{"eval_windows": EVAL_WINDOWS, **changes})
         steps = args.steps or int(args.minutes * 60 / seconds_per_step(config, train_ids, heldout_ids))
         config = replace(config, steps=steps, warmup_steps=max(1, steps // 10), eval_every=max(1, steps // 4))
         trainer = Trainer(config, train_ids, heldout_ids, VOCAB_SIZE)
@@ -69,10 +73,10 @@ def main(argv: list[str] | None = None) -> None:
         train_tail = trainer.record["train_loss"][-10:]
         rows.append((name, config, state.seconds, sum(x[1] for x in train_tail) / len(train_tail), heldout))
         print(f"{name}: {steps} steps in {state.seconds:.0f} s, held-out {heldout:.4f}", flush=True)
-    print(f"\n| candidate | layers x width, batch | optimizer, lr | steps | seconds | train loss (last 10) | held-out ({EVAL_WINDOWS} windows) |")
+    print("\n| candidate | layers x width, batch | optimizer, lr | steps | seconds | train loss (last 10) | held-out (windows) |")
     print("| --- | --- | --- | ---: | ---: | ---: | ---: |")
     for name, c, seconds, train, heldout in rows:
-        print(f"| {name} | {c.n_layer}x{c.n_embd}, {c.batch_size} | {c.optimizer}, {c.lr:g} | {c.steps} | {seconds:.0f} | {train:.3f} | {heldout:.3f} |")
+        print(f"| {name} | {c.n_layer}x{c.n_embd}, {c.batch_size} | {c.optimizer}, {c.lr:g} | {c.steps} | {seconds:.0f} | {train:.3f} | {heldout:.3f} ({c.eval_windows}) |")
 
 
 if __name__ == "__main__":

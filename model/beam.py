@@ -49,6 +49,7 @@ import torch
 from model.gpt2 import GPT2
 from model.kv_cache import KVCache
 from model.sampling import apply_repetition_penalty
+from model.scoring import top_n
 
 # transformers marks impossible beams with this score rather than -inf, so arithmetic on them
 # stays finite; using the same constant keeps rankings identical in the corner cases.
@@ -157,7 +158,7 @@ class BeamSearch:
 
         # Running beams for the next step: the best num_beams candidates that did not finish.
         running_totals = top_totals + hits.to(torch.float32) * NEG_SCORE  # [K]
-        keep = torch.topk(running_totals, n).indices.tolist()
+        keep = best_first(running_totals, n).tolist()
         self._running_scores = running_totals[keep]  # [n]
         self._running_tokens = [candidates[k][0] for k in keep]
         self._running_logprobs = [candidates[k][1] for k in keep]
@@ -193,7 +194,8 @@ class BeamSearch:
         if self.params.repetition_penalty != 1.0:
             log_probs = self._penalise_repeats(log_probs)
         totals = log_probs + self._running_scores.to(log_probs.device)[:, None]  # [n, V]
-        top_totals, top_flat = torch.topk(totals.reshape(-1), self._candidates)  # [K], [K]
+        # Equal totals: the lowest (beam, token) first, whatever device or kernel runs it.
+        top_totals, top_flat = (t[0] for t in top_n(totals.reshape(1, -1), self._candidates))  # [K], [K]
         top_logprobs = log_probs.reshape(-1)[top_flat]  # [K]
         # One device-to-host transfer per step. float64 holds the float32 scores and the flat
         # indices (up to num_beams * V) exactly.
@@ -240,7 +242,7 @@ class BeamSearch:
             )
         ]
         merged_hyps = self._finished + new_hyps
-        best = torch.topk(merged_scores, n).indices  # [n], sorted best first
+        best = best_first(merged_scores, n)  # [n]: on equal scores, finished earlier first
         self._finished_scores = merged_scores[best]
         self._finished_flags = merged_flags[best]
         self._finished = [merged_hyps[i] for i in best.tolist()]
@@ -269,6 +271,12 @@ class BeamSearch:
             or (all_finished and params.early_stopping is True)
             or bool(hits.all())
         )
+
+
+def best_first(scores: torch.Tensor, n: int) -> torch.Tensor:
+    """Indices of the n highest of scores [K], highest first, equal ones in index order (topk
+    leaves their order to its algorithm)."""
+    return scores.sort(descending=True, stable=True).indices[:n]
 
 
 def reorder_beam_slots(cache: KVCache, slots: list[int], source_beams: list[int], length: int) -> None:

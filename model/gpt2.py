@@ -65,6 +65,8 @@ class AttentionInputs:
     packing: Packing | None = None
     # On CPU, per row (queries, keys): attention then runs row by row (`attend_by_row`).
     row_spans: list[tuple[int, int]] | None = None
+    # Each query its own call, as a decode step runs it (speculative verification, `attend_by_row`).
+    one_query_per_call: bool = False
 
 
 def attend_by_row(
@@ -78,12 +80,20 @@ def attend_by_row(
     per row, shaped as that row alone would be, makes each row's output bit-identical alone and
     in any batch, which int8 weights rely on: their per-row rounding turns a last-bit change into
     a different token.
+
+    ctx.one_query_per_call: each query its own call, the one decoding makes at its position, so
+    a draft's verification gives decoding's bits whatever the draft's length (k + 1 small calls).
     """
     outputs = []
     for b, (q, (n, length)) in enumerate(zip(queries, ctx.row_spans)):
+        own_keys, own_values = keys[b : b + 1, :, :length], values[b : b + 1, :, :length]  # [1, H, L_b, d_h]
+        if n > 1 and ctx.one_query_per_call:
+            seen = range(length - n + 1, length + 1)  # keys each query sees
+            outputs.append(torch.cat([F.scaled_dot_product_attention(q[:, :, j : j + 1], own_keys[:, :, :keys], own_values[:, :, :keys])
+                                      for j, keys in enumerate(seen)], dim=2))  # [1, H, n, d_h]
+            continue
         # One query sees every key up to its own: no mask, as a lone decode row runs.
         mask = None if n == 1 else ctx.mask[b : b + 1, :, :n, :length]
-        own_keys, own_values = keys[b : b + 1, :, :length], values[b : b + 1, :, :length]  # [1, H, L_b, d_h]
         outputs.append(F.scaled_dot_product_attention(q, own_keys, own_values, attn_mask=mask))
     return outputs
 
@@ -354,11 +364,13 @@ class GPT2(nn.Module):
         rows: SlotBatch,
         kv_length: int,
         output_hidden_states: bool = False,
+        one_query_per_call: bool = False,
     ) -> ForwardOutput:
         """Rows of new tokens of different lengths, packed (input_ids [N]; see Packing), each
         continuing its slot in the cache: no compute on padding outside attention.
 
         Returns what the LM head reads, head_input [N, C] (and hidden_states [1, N, C] each).
+        one_query_per_call: see `attend_by_row` (CPU).
         """
         B, T = packing.batch, packing.width
         # Padded queries sit at position 0: they see one key, so no row is fully masked.
@@ -376,6 +388,7 @@ class GPT2(nn.Module):
         )
         if input_ids.device.type == "cpu":
             ctx.row_spans = packed_row_spans(packing)
+            ctx.one_query_per_call = one_query_per_call
         x = (self.embed_tokens(input_ids) + self.wpe(packing.positions))[None]  # [1, N, C]
         x, hidden, _ = run_blocks(self.h, x, ctx, output_hidden_states)
         return head_output(self.ln_f(x[0]), self.lm_head, False, None, hidden)

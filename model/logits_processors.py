@@ -97,9 +97,12 @@ def apply_typical_p(scores: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:
     mass [B]; rows with mass >= 1 are left as they are (transformers skips the warper there)."""
     normalized = scores.log_softmax(dim=-1)  # [B, V]
     p = normalized.exp()
-    entropy = -(normalized * p).nansum(-1, keepdim=True)  # [B, 1]
+    entropy = -row_nansum(normalized * p)  # [B, 1]
     shifted = (-normalized - entropy).abs()  # [B, V]
-    sorted_shifted, sorted_index = shifted.sort(dim=-1)  # [B, V] ascending
+    # Stable: distances tie often (float32 surprises near the entropy sit on a grid of ~1e-6),
+    # and tied tokens of different probability reach the mass in the order they are counted:
+    # lowest id first, not whatever order the kernel leaves them in (transformers' unstable sort).
+    sorted_shifted, sorted_index = shifted.sort(dim=-1, stable=True)  # [B, V] ascending
     cumulative = scores.gather(-1, sorted_index).softmax(dim=-1).cumsum(dim=-1)  # [B, V]
     last = (cumulative < mass[:, None]).sum(dim=1).clamp(max=scores.shape[-1] - 1)  # [B]
     remove_sorted = sorted_shifted > sorted_shifted.gather(1, last[:, None])  # [B, V]
@@ -107,6 +110,15 @@ def apply_typical_p(scores: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:
     remove = remove_sorted.scatter(1, sorted_index, remove_sorted)  # [B, V] original order
     remove &= (mass < 1.0)[:, None]
     return suppress(scores, remove)
+
+
+def row_nansum(x: torch.Tensor) -> torch.Tensor:
+    """Each row's nansum [B, 1], with the same bits alone and in a batch: PyTorch splits the sum
+    of a lone row across CPU threads (the summation order then follows the thread count), while
+    rows of a batch are each summed whole. So a lone row is summed as one of two."""
+    if x.shape[0] == 1:
+        return x.repeat(2, 1).nansum(dim=-1, keepdim=True)[:1]
+    return x.nansum(dim=-1, keepdim=True)
 
 
 def ngram_bans(history: torch.Tensor, lengths: torch.Tensor, n: torch.Tensor, vocab: int, max_n: int) -> torch.Tensor:

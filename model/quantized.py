@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from model.config import GPT2Config
+from model.scoring import top_n
 
 QUANTIZE_MODES = ("none", "int8", "int4")
 QUANTIZE_METHODS = {
@@ -123,7 +124,10 @@ def rescore_candidates(
     int8, 92.1% -> 94.8% for int4; docs/performance.md). It costs a top-k over the vocabulary per row (~0.1 ms)
     and `count` dot products. Each row is computed on its own: batch-independent, like the head.
     """
-    top = logits.topk(count, dim=-1).indices  # [..., count]
+    # Which of equal logits at the edge get recomputed changes their values: the lowest ids, by
+    # a rule, not topk's tie order (which varies with the device and shape).
+    flat = logits.reshape(-1, logits.shape[-1])  # [rows, V]
+    top = top_n(flat, count)[1].view(*logits.shape[:-1], count)  # [..., count]
     exact = (embedding_rows(top) * head_input.unsqueeze(-2)).sum(-1)  # [..., count]
     return logits.scatter_(-1, top, exact)
 

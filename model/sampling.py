@@ -63,7 +63,12 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     largest logit are kept, and the most likely token always survives top-p, as in transformers.
     """
     vocab = logits.shape[-1]
-    sorted_logits, sorted_index = logits.sort(dim=-1, descending=False)  # [B, V] ascending
+    # Ascending, equal logits highest id first (a stable descending sort, reversed): where the
+    # nucleus cuts through equal logits, the lowest ids stay. transformers' unstable sort leaves
+    # that to the kernel, which orders ties differently by device and shape. The values run in
+    # the same order either way, so the cumulative sums are transformers' to the bit.
+    descending, descending_index = logits.sort(dim=-1, descending=True, stable=True)
+    sorted_logits, sorted_index = descending.flip(-1), descending_index.flip(-1)  # [B, V] ascending
     # The k-th largest value sits at ascending index V - k.
     kth_index = (vocab - top_k.clamp(1, vocab))[:, None]  # [B, 1]
     kth_largest = sorted_logits.gather(1, kth_index)  # [B, 1]
@@ -120,9 +125,12 @@ def sample_rows(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """log softmax(logits)[token] per row, without materialising the [B, V] log-softmax."""
-    chosen = logits.gather(1, tokens[:, None]).squeeze(1)  # [B]
-    return chosen - logits.logsumexp(dim=-1)
+    """log softmax(logits)[token] per row.
+
+    log_softmax runs one kernel per row; logsumexp's sum over a lone row is split across CPU
+    threads and rounds differently from the same row in a batch.
+    """
+    return logits.log_softmax(dim=-1).gather(1, tokens[:, None]).squeeze(1)  # [B]
 
 
 def choose_tokens(

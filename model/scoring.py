@@ -26,11 +26,40 @@ def score_tokens(logits: torch.Tensor, tokens: torch.Tensor, n: int) -> Scores:
     chosen = logits.gather(1, tokens[:, None])  # [B, 1]
     # Comparing logits orders tokens as comparing their log-probabilities would.
     ranks = (logits > chosen).sum(dim=-1) + 1  # [B]
-    top_values, top_ids = logits.topk(n, dim=-1)  # [B, n]
+    top_values, top_ids = top_n(logits, n)  # [B, n]
     return Scores((chosen - normaliser).squeeze(1), ranks, top_ids, top_values - normaliser)
 
 
 def top_alternatives(logits: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The n most likely tokens of each row and their log-probabilities: [B, n] ids, [B, n]."""
-    values, ids = logits.topk(n, dim=-1)  # [B, n]
-    return ids, values - logits.logsumexp(dim=-1, keepdim=True)
+    """The n most likely tokens of each row and their log-probabilities: [B, n] ids, [B, n].
+
+    The sampler's rows share one call: log_softmax is a kernel per row, where logsumexp's sum
+    over a lone row is split across threads and rounds differently from the same row in a batch.
+    """
+    _, ids = top_n(logits, n)  # [B, n]
+    return ids, logits.log_softmax(dim=-1).gather(1, ids)
+
+
+def top_n(values: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The n largest of each row [B, V], largest first, equal values lowest index first: [B, n]
+    values and [B, n] indices.
+
+    torch.topk leaves the order of equal values to its algorithm, which changes with n, the
+    device and the shape: a row asking for 2 alternatives beside one asking for 5 (the call takes
+    the batch's largest n) would get other ids than alone. Here the n-th largest value (which
+    topk does define) sets the cut-off, and the places it leaves go to the lowest indices.
+    """
+    if n == 0:
+        return values[:, :0], torch.zeros(values.shape[0], 0, dtype=torch.long, device=values.device)
+    cutoff = values.topk(n, dim=-1).values[:, -1:]  # [B, 1]
+    above = values > cutoff  # [B, V]
+    tied = values == cutoff
+    room = n - above.sum(dim=-1, keepdim=True)  # [B, 1] places left for the tied values
+    chosen = above | (tied & (tied.cumsum(dim=-1) <= room))  # [B, V], exactly n per row
+    # The chosen indices, lowest first: a top-n over distinct keys (no device sync, unlike nonzero).
+    vocab = values.shape[-1]
+    keys = torch.where(chosen, vocab - torch.arange(vocab, device=values.device), 0)  # [B, V]
+    ids = keys.topk(n, dim=-1).indices.sort(dim=-1).values  # [B, n] ascending
+    chosen_values = values.gather(1, ids)
+    order = chosen_values.sort(dim=-1, descending=True, stable=True).indices  # ties keep the lower id first
+    return chosen_values.gather(1, order), ids.gather(1, order)

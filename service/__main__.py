@@ -5,6 +5,7 @@ Every setting of service/settings.py is a flag (--max-batch-size 16) and a GPT2_
 
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
@@ -35,9 +36,18 @@ def serving_settings(argv: list[str] | None = None) -> Settings:
     if settings.allowed_hosts is None:
         # Decided here, where the socket is bound; in-process apps (tests) take any Host.
         settings = settings.model_copy(update={"allowed_hosts": default_allowed_hosts(settings.host)})
-    if settings.device == "cuda" and not torch.cuda.is_available():
+    if settings.device == "cuda" and not cuda_device_seen():
         sys.exit(f"cannot start: --device cuda, but this torch ({torch.__version__}) sees no CUDA device")
     return settings
+
+
+def cuda_device_seen() -> bool:
+    """Whether torch sees a CUDA device, asked of NVML rather than CUDA: this process serves HTTP
+    and never initialises CUDA (the engine core and the analysis process hold the device), and
+    torch's default check initialises the driver. The processes it spawns inherit the setting,
+    harmlessly: they initialise CUDA when they load the model."""
+    os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
+    return torch.cuda.is_available()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,4 +1,5 @@
-"""Builds the FastAPI application: loads the model, starts the engine core, mounts the routes.
+"""Builds the FastAPI application: reads the model's config and tokenizer, starts the engine core
+and the analysis process, mounts the routes.
 
 The one module above both sides: it imports service/http/ and service/analysis/, which import
 each other not at all, only service/common/ below them (tests/model/test_layering.py).
@@ -7,15 +8,19 @@ Request path: Framing (400: CL+TE) → HostAllowList (400, optional) → Drain (
 → BearerAuth (optional) → RequestMetrics → BodyLimit (413 before parsing)
 → route → schemas/admission (422) → Generations → EngineClient → (IPC) engine core process
 → token ids → OutputProcessor (text, stop strings) → back as events.
-The model is loaded here too: a bad checkpoint stops start-up with its message before a core is
-spawned, and /analyze runs on this process's copy, never stalling the core's steps.
+No weights are kept here (docs/engine.md, "The analysis process"): the config and tokenizer are
+read; the engine core loads the weights it generates with, and the analysis process
+(service/analysis/process.py: this process's child, or with --api-servers N the supervisor's,
+shared) the copy /analyze reads. This process never touches the device (CUDA). A bad checkpoint
+still stops start-up with its one-line message before serving: checked here by a lone server
+before anything is spawned, reported by the analysis process to the supervisor of N.
 """
 
 from __future__ import annotations
 
+import asyncio
 from contextlib import asynccontextmanager
 
-import torch
 from asgi_correlation_id import CorrelationIdMiddleware
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
@@ -24,7 +29,9 @@ from starlette.types import Receive, Scope, Send
 from model.quantized import quantize_problem
 from service.analysis import inspection
 from service.analysis import routes as analysis_routes
-from service.analysis.startup import prepare_analysis
+from service.analysis.protocol import analysis_address
+from service.analysis.remote import AnalysisClient
+from service.analysis.startup import analysis_models, prepare_analysis, process_config
 from service.http import api, routes_openai, routes_tgi, routes_tokenizer
 from service.http import routes_playground
 from service.http.auth import BearerAuthMiddleware
@@ -42,7 +49,7 @@ from service.http.request_context import HEADER, REQUEST_ID_OPTIONS
 from service.http.sse import SERVER_SEND
 from service.settings import Settings
 from service.http.state import ServiceState
-from weights.checkpoint import load_config, load_model
+from weights.checkpoint import check_checkpoint, checkpoint_parameters, load_config
 from weights.prepare import read_origin
 from weights.tokenizer import GPT2Tokenizer
 
@@ -60,13 +67,20 @@ class ServiceApp(FastAPI):
         await super().__call__(scope, receive, send)
 
 
-def load_state(settings: Settings) -> ServiceState:
-    if settings.threads:
-        torch.set_num_threads(settings.threads)
-    model = load_model(settings.model_dir, device=settings.device, dtype=settings.torch_dtype)
+def load_state(settings: Settings, check_values: bool = True) -> ServiceState:
+    """What the HTTP side serves from: config, tokenizer, origin; nothing of it on the device.
+
+    A lone server checks its checkpoint first, values too, one tensor at a time on the CPU,
+    keeping none: a bad one then stops start-up in one line before the engine core and the
+    analysis process are spawned. One of several HTTP processes checks nothing (it would cost
+    each of them start-up time): the analysis process, loading the weights, tells the
+    supervisor (service/workers.py)."""
+    config = load_config(settings.model_dir)
+    if check_values:
+        check_checkpoint(settings.model_dir, config, dtype=settings.torch_dtype)
     tokenizer = GPT2Tokenizer.from_dir(settings.model_dir)
-    state = ServiceState(settings, model, tokenizer, read_origin(settings.model_dir))
-    config = model.config
+    state = ServiceState(settings, config, tokenizer, read_origin(settings.model_dir),
+                         parameters=checkpoint_parameters(settings.model_dir))
     state.metrics.describe_model(
         name=settings.model_name, n_layer=config.n_layer, n_head=config.n_head, n_embd=config.n_embd,
         n_positions=config.n_positions, vocab_size=config.vocab_size, dtype=settings.dtype,
@@ -117,6 +131,27 @@ def build_client(state: ServiceState, link: CoreLink | None = None) -> EngineCli
     )
 
 
+def build_analysis(settings: Settings, link: CoreLink | None) -> AnalysisClient:
+    if link is None:
+        return AnalysisClient.spawning(process_config(settings))
+    return AnalysisClient(analysis_address(link.run_dir.path), supervisor_pid=link.supervisor_pid)
+
+
+async def start_processes(state: ServiceState, analysis: AnalysisClient) -> None:
+    """The engine core and the analysis process load at the same time; if either cannot, both
+    are stopped and start-up fails with its reason."""
+    tasks = [asyncio.ensure_future(state.client.start()), asyncio.ensure_future(analysis.start())]
+    try:
+        await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await analysis.stop()
+        await state.client.stop(timeout=0, drain=False)
+        raise
+
+
 def include_routes(app: FastAPI) -> list[str]:
     """Mount every router; returns the route paths (the metrics' endpoint label values)."""
     routers = [api.router, routes_tgi.router, routes_openai.router, routes_tokenizer.router, analysis_routes.router,
@@ -128,14 +163,16 @@ def include_routes(app: FastAPI) -> list[str]:
 
 def create_app(settings: Settings, link: CoreLink | None = None) -> FastAPI:
     """`link`: one of several HTTP processes, attached to the supervisor's core (service/workers.py)."""
-    # Load before serving: a bad checkpoint must stop start-up, not the first request.
-    state = load_state(settings)
+    # Checked before serving: a bad checkpoint must stop start-up, not the first request.
+    state = load_state(settings, check_values=link is None)
+    models = analysis_models(settings, state.config, check=link is None)
     state.client = build_client(state, link)
     state.generations = Generations(state.client, state.metrics, settings.retry_after_seconds)
+    analysis = build_analysis(settings, link)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        await state.client.start()
+        await start_processes(state, analysis)
         state.serving = True
         try:
             yield
@@ -143,6 +180,7 @@ def create_app(settings: Settings, link: CoreLink | None = None) -> FastAPI:
             # The server has already waited (up to drain_seconds) for open responses, and the core
             # has been draining since SIGTERM; this waits for its exit.
             await state.client.stop(timeout=settings.drain_seconds)
+            await analysis.stop()
 
     app = ServiceApp(
         title="gpt2-serve",
@@ -150,7 +188,7 @@ def create_app(settings: Settings, link: CoreLink | None = None) -> FastAPI:
         lifespan=lifespan,
     )
     app.state.service = state
-    prepare_analysis(app, settings, state.model)
+    prepare_analysis(app, models, analysis)
     install_error_handlers(app)
     state.metrics.declare_endpoints(include_routes(app))
     app.include_router(routes_playground.router if settings.playground else routes_playground.disabled)

@@ -20,12 +20,32 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+ANALYSIS_PROCESS_NAME = "gpt2-analysis"  # service/analysis/process.py names itself so
+
+
 def engine_core_pid(server_pid: int) -> int:
-    """The server's engine core: its child process started by multiprocessing's spawn."""
-    for pid, parent, command in _processes():
-        if parent == server_pid and b"spawn_main" in command:
+    """The server's engine core: its child process started by multiprocessing's spawn that is
+    not the analysis process."""
+    for pid in _spawned(server_pid):
+        if _name(pid) != ANALYSIS_PROCESS_NAME:
             return pid
     raise LookupError(f"process {server_pid} has no engine core process")
+
+
+def analysis_pids(server_pid: int) -> list[int]:
+    """The server's analysis processes (one, whatever --api-servers)."""
+    return [pid for pid in _spawned(server_pid) if _name(pid) == ANALYSIS_PROCESS_NAME]
+
+
+def _spawned(server_pid: int) -> list[int]:
+    return [pid for pid, parent, command in _processes() if parent == server_pid and b"spawn_main" in command]
+
+
+def _name(pid: int) -> str | None:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return None
 
 
 def cpu_seconds(pid: int) -> float:

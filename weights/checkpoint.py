@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -54,16 +55,19 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     raise CheckpointError(f"{model_dir}: no {SINGLE_FILE} or {SHARD_INDEX}.{hint}")
 
 
+def _open(path: Path):
+    try:
+        return safe_open(str(path), framework="pt", device="cpu")
+    except (SafetensorError, OSError) as exc:
+        cut = _cut_off_tensor(path)
+        if cut:
+            raise CheckpointError(f"{path}: truncated file: {cut}") from exc
+        raise CheckpointError(f"{path}: not a readable safetensors file ({exc})") from exc
+
+
 def _read_tensors(files: list[Path]) -> Iterator[tuple[Path, str, torch.Tensor]]:
     for path in files:
-        try:
-            reader = safe_open(str(path), framework="pt", device="cpu")
-        except (SafetensorError, OSError) as exc:
-            cut = _cut_off_tensor(path)
-            if cut:
-                raise CheckpointError(f"{path}: truncated file: {cut}") from exc
-            raise CheckpointError(f"{path}: not a readable safetensors file ({exc})") from exc
-        with reader:
+        with _open(path) as reader:
             for name in reader.keys():
                 try:
                     tensor = reader.get_tensor(name)
@@ -110,6 +114,35 @@ def read_state_dict(
     `model_class(config)` gives the parameters expected; `tied` maps a tensor that must equal
     another one (an LM head tied to the embeddings) to that one.
     """
+    return _checked_tensors(model_dir, config, dtype, model_class, tied, keep=None)
+
+
+def check_checkpoint(
+    model_dir: Path, config, model_class: type[nn.Module] = GPT2, tied: dict[str, str] = TIED,
+    dtype: torch.dtype = torch.float32,
+) -> None:
+    """read_state_dict's checks, keeping no tensor but the tied heads' targets: for a server to
+    run before spawning the processes that load the weights, so a bad checkpoint stops it in
+    one line first. One tensor at a time, on the CPU."""
+    _checked_tensors(model_dir, config, dtype, model_class, tied, keep=set(tied.values()))
+
+
+def checkpoint_parameters(model_dir: Path, tied: dict[str, str] = TIED) -> int:
+    """The model's parameter count, from the files' headers alone (a tied head counted once)."""
+    count = 0
+    for path in checkpoint_files(model_dir):
+        with _open(path) as reader:
+            for raw_name in reader.keys():
+                name = canonical_name(raw_name)
+                if not is_ignored(name) and name not in tied:
+                    count += math.prod(reader.get_slice(raw_name).get_shape())
+    return count
+
+
+def _checked_tensors(
+    model_dir: Path, config, dtype: torch.dtype, model_class: type[nn.Module], tied: dict[str, str], keep: set[str] | None
+) -> dict[str, torch.Tensor]:
+    """The checked tensors named in `keep` (None: all)."""
     files = checkpoint_files(model_dir)
     expected = _expected_shapes(config, model_class)
     described = _describe(model_dir, config)
@@ -128,16 +161,18 @@ def read_state_dict(
         prefix = raw_name[: len(raw_name) - len(name)]
         if name not in expected:
             raise CheckpointError(f"{where} is unexpected: {described} has no such parameter")
-        if name in state:
+        if name in origin:
             raise CheckpointError(f"{where} duplicates one already read from {origin[name]}")
         if tuple(tensor.shape) != expected[name]:
             raise CheckpointError(
                 f"{where} has shape {list(tensor.shape)}, but {described} needs {list(expected[name])}"
             )
-        state[name] = _converted(where, tensor, dtype)
+        converted = _converted(where, tensor, dtype)
+        if keep is None or name in keep:
+            state[name] = converted
         origin[name] = path
 
-    missing = sorted(set(expected) - set(state), key=_natural_key)
+    missing = sorted(set(expected) - set(origin), key=_natural_key)
     if missing:
         shown = ", ".join(repr(prefix + n) for n in missing[:5]) + (" ..." if len(missing) > 5 else "")
         source = files[0] if len(files) == 1 else f"{model_dir} ({len(files)} shards)"

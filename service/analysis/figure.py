@@ -105,3 +105,25 @@ def _draw_model(axes, report: dict, index: int, alone: bool) -> list[str]:
 
 def _name(report: dict) -> str:
     return report.get("model", {}).get("name", "GPT-2")
+
+
+def heatmaps_svg(maps, layers: list[int], tokens: list[str]) -> str:
+    """/analyze/attention's figure: one heatmap per (layer, head), query down, key across."""
+    check_available()
+    from matplotlib.figure import Figure
+
+    n_layers, n_heads = maps.shape[:2]
+    figure = Figure(figsize=(1.6 * n_heads + 1, 1.6 * n_layers + 0.5), layout="constrained")
+    grid = figure.subplots(n_layers, n_heads, squeeze=False)
+    for i, layer in enumerate(layers):
+        for head in range(n_heads):
+            axes = grid[i][head]
+            image = axes.imshow(maps[i, head].numpy(), vmin=0.0, vmax=1.0, cmap="viridis")
+            axes.set_xticks([])
+            axes.set_yticks([])
+            axes.set_title(f"L{layer} H{head}", fontsize=7)
+    figure.colorbar(image, ax=grid, shrink=0.6, label="attention probability")
+    figure.suptitle(f"attention over {len(tokens)} tokens")
+    out = io.StringIO()
+    figure.savefig(out, format="svg")
+    return out.getvalue()

@@ -1,18 +1,17 @@
 """GET/POST /analyze/spectrum: the attention spectral analysis (docs/analysis.md) on the served
 model, and on the analysis-only comparison model when the server loaded one (--compare-model-dir).
 
-An analysis runs in a worker thread, never on the event loop, and at most
-`analysis_max_concurrent` run at once: one more is answered 429 (overloaded, Retry-After) at
-once rather than queued, so analyses never pile up behind each other while generation shares the
-CPU. Texts are limited in number (`analysis_max_texts`) and length (`analysis_max_tokens`,
-default and at most each model's context): beyond, 422 naming the text and the limit.
+An analysis runs in the analysis process (service/analysis/process.py), never in an HTTP
+process, and at most `analysis_max_concurrent` run at once: one more is answered 429
+(overloaded, Retry-After) at once rather than queued, so analyses never pile up behind each
+other while generation shares the device. Texts are limited in number (`analysis_max_texts`)
+and length (`analysis_max_tokens`, default and at most each model's context): beyond, 422 naming
+the text and the limit.
 """
 
 from __future__ import annotations
 
-import json
 import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Literal
@@ -20,13 +19,13 @@ from typing import Literal
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, model_validator
-from starlette.concurrency import run_in_threadpool
 
 from model.analysis import check_layers
-from service.analysis.figure import SVG_MEDIA_TYPE, FigureUnavailable, check_available, render_svg
-from service.analysis.report import Subject, check_request, combined, encode, reports
-from service.analysis.startup import compare_subject
-from service.common.errors import overloaded_error, validation_error
+from service.analysis.figure import SVG_MEDIA_TYPE, FigureUnavailable, check_available
+from service.analysis.protocol import Done, Refused, Spectrum
+from service.analysis.remote import AnalysisUnavailable
+from service.analysis.startup import analysis_client, analysis_models_of
+from service.common.errors import ApiError, overloaded_error, validation_error
 from service.common.schemas import Text
 from service.common.state import shared_state
 
@@ -38,6 +37,7 @@ ENDPOINT = "/analyze/spectrum"
 ERRORS = {
     422: {"description": "invalid input: {error, error_type: validation}"},
     429: {"description": "analyses already running: {error, error_type: overloaded}, Retry-After"},
+    503: {"description": "the analysis process has stopped: {error, error_type: unavailable}"},
 }
 RESPONSES = {200: {"content": {SVG_MEDIA_TYPE: {}}, "description": "the report (JSON) or its figure (SVG)"}, **ERRORS}
 
@@ -94,17 +94,25 @@ async def _spectrum(
         raise validation_error(
             f"{count} texts given; this server analyses at most {settings.analysis_max_texts} per request"
         )
-    subjects = [Subject(settings.model_name, state.model, state.tokenizer)]
-    other = compare_subject(request.app)
-    if compare and other is None:
+    models = analysis_models_of(request)
+    if compare and models.compare is None:
         raise validation_error("compare=true, but this server has no comparison model (start it with --compare-model-dir)")
-    if other is not None and compare is not False:
-        subjects.append(other)
+    with_compare = models.compare is not None and compare is not False
+    # What the configs can refuse is refused here; the tokens (each model's own tokenizer) and
+    # their limits are checked by the analysis process, under the gate, as before.
     with _invalid_is_422():
-        for subject in subjects:
-            check_layers(subject.model.config, layers)
+        for config in (models.config, models.compare) if with_compare else (models.config,):
+            check_layers(config, layers)
         if format == "svg":
             check_available()
+    return await gated(request, Spectrum(texts, token_ids, method, layers, format, with_compare))
+
+
+async def gated(request: Request, call) -> Response:
+    """Send the call to the analysis process under the analyses' shared concurrency gate (429
+    when full); this process waits on its event loop, computing nothing."""
+    state = shared_state(request)
+    settings = state.settings
     gate = analysis_gate(request, settings.analysis_max_concurrent)
     if not gate.acquire(blocking=False):
         raise overloaded_error(
@@ -112,24 +120,19 @@ async def _spectrum(
             settings.retry_after_seconds,
         )
     try:
-        per_subject = await run_in_threadpool(encode, subjects, texts, token_ids)
-        with _invalid_is_422():
-            what = "text" if texts is not None else "token_ids"
-            check_request(subjects, per_subject, layers, settings.analysis_max_tokens, what)
-        started = time.perf_counter()
-        body = await run_in_threadpool(_run, subjects, per_subject, method, layers, format)
-        state.metrics.analysis_duration.observe(time.perf_counter() - started)
+        answer = await analysis_client(request).call(call)
+    except AnalysisUnavailable as exc:
+        raise ApiError(503, "unavailable", str(exc)) from None
     finally:
         gate.release()
-    if format == "svg":
-        return Response(body, media_type=SVG_MEDIA_TYPE)
-    # Serialised here, in the worker's result, not by a generic encoder walking every float.
-    return Response(body, media_type="application/json")
-
-
-def _run(subjects: list[Subject], token_ids: list[list[list[int]]], method: str, layers: list[int] | None, format: str):
-    measured = reports(subjects, token_ids, method, layers)
-    return render_svg(measured) if format == "svg" else json.dumps(combined(measured), allow_nan=False, separators=(",", ":"))
+    if isinstance(answer, Done):
+        state.metrics.analysis_duration.observe(answer.seconds)
+        return Response(answer.body, media_type=answer.media_type)
+    if isinstance(answer, Refused) and answer.kind == "validation":
+        raise validation_error(answer.message)
+    if isinstance(answer, Refused):
+        raise overloaded_error(answer.message, settings.retry_after_seconds)
+    raise ApiError(500, "error", answer.message)
 
 
 @contextmanager

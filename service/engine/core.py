@@ -307,7 +307,9 @@ class EngineCore:
         if any(s.draft for s in seqs):  # verification: 1 + k positions per row, eagerly
             starts = [len(s.token_ids) - 1 for s in seqs]
             pieces = [[s.token_ids[-1]] + s.draft for s in seqs]
-            return forward_from(self.model, self.cache, slots, starts, pieces, every_position=True).logits
+            # Each position as decoding computes it, so a draft's length (which the batch
+            # prices) never changes a token's bits.
+            return forward_from(self.model, self.cache, slots, starts, pieces, every_position=True, one_query_per_call=True).logits
         if self.static_decode is not None:
             return self.static_decode.run(slots, [s.token_ids[-1] for s in seqs], [len(s.token_ids) - 1 for s in seqs])
         input_ids = torch.tensor([[s.token_ids[-1]] for s in seqs], device=self.device)  # [B, 1]

@@ -30,8 +30,12 @@ def forward_from(
     pieces: list[list[int]],
     every_position: bool = False,
     hidden_states: bool = False,
+    one_query_per_call: bool = False,
 ) -> OffsetForward:
     """Row b feeds pieces[b] at positions starts[b]... into slot slots[b].
+
+    one_query_per_call: each token's attention as a decode step computes it (model.gpt2's
+    `attend_by_row`), for speculative verification to give plain decoding's bits.
 
     The rows are packed (model.gpt2.Packing): projections and MLPs run over the real tokens only,
     so rows of different lengths cost what their tokens cost, not rows × the longest.
@@ -44,7 +48,7 @@ def forward_from(
     input_ids = torch.tensor([token for piece in pieces for token in piece], device=device)  # [N]
     packing = Packing(index, len(pieces), width, token_slots, positions)
     kv_length = max(start + n for start, n in zip(starts, lengths))
-    out = model.forward_packed(input_ids, packing, cache, cache.batch(slots), kv_length, hidden_states)
+    out = model.forward_packed(input_ids, packing, cache, cache.batch(slots), kv_length, hidden_states, one_query_per_call)
     head_input = out.head_input  # [N, C]
     if not every_position:
         last = torch.tensor(list(accumulate(lengths)), device=device) - 1  # [B]

@@ -138,14 +138,21 @@ class StepPlan:
 
 class PrefillBudget:
     """Prompt tokens one step may prefill. Rows are packed (service/engine/forward.py), so each
-    costs its own tokens: a short prompt rides beside a long one's chunk."""
+    costs its own tokens: a short prompt rides beside a long one's chunk.
+
+    A prompt's chunks are whole budgets (the last one what is left of it), never the remainder
+    of a budget other prompts used: where its chunks end changes its attention's query counts,
+    hence the last bits of its logits (docs/batch-invariance.md), and they must not depend on
+    what else arrived. A chunk that does not fit waits for the next step."""
 
     def __init__(self, tokens: int) -> None:
-        self.left = tokens
+        self.tokens = self.left = tokens
 
     def take(self, remaining: int) -> int:
         """The chunk a prompt with `remaining` tokens to go gets this step (0: none fits)."""
-        chunk = min(remaining, self.left)
+        chunk = min(remaining, self.tokens)
+        if chunk > self.left:
+            return 0
         self.left -= chunk
         return chunk
 

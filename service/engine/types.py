@@ -61,6 +61,13 @@ class SamplingParams:
     bad_words_ids: tuple[tuple[int, ...], ...] = ()
     speculate: bool = True  # draft from n-grams when the server speculates (service/engine/speculation.py)
 
+    def __post_init__(self) -> None:
+        # One token id named twice keeps its last value, as transformers' sequence_bias and a JSON
+        # object do. Resolved here, before any tensor sees the ids: an indexed assignment with
+        # repeated indices keeps an unspecified one of the values on CUDA.
+        if len({token for token, _ in self.logit_bias}) < len(self.logit_bias):
+            object.__setattr__(self, "logit_bias", tuple(dict(self.logit_bias).items()))
+
 
 # A token's most likely alternatives, most likely first: (token id, log-probability).
 TopLogprobs = list[tuple[int, float]]

@@ -35,23 +35,24 @@ async def health(request: Request) -> Response:
 @router.get("/info", response_model=Info, summary="The model, its weights' origin, and the limits requests must respect")
 async def info(request: Request) -> dict:
     state = service_state(request)
-    settings, limits, config = state.settings, state.limits, state.model.config
+    settings, limits, config = state.settings, state.limits, state.config
     stats = state.client.last_stats  # as of the engine core's last step
     return {
         "model_id": settings.model_name,
-        "model_dtype": str(state.model.dtype).removeprefix("torch."),
-        "model_device_type": state.model.device.type,
+        # The settings', as the engine core and the analysis process load it: this process has no weights.
+        "model_dtype": settings.dtype,
+        "model_device_type": settings.device,
         "config": {
             "vocab_size": config.vocab_size, "n_positions": config.n_positions, "n_embd": config.n_embd,
             "n_layer": config.n_layer, "n_head": config.n_head, "n_inner": config.inner_dim,
-            "parameters": sum(p.numel() for p in state.model.parameters()),
+            "parameters": state.parameters,
         },
         "weights_origin": state.origin,
         "quantization": {
             "mode": settings.quantize,
-            # Generation runs in the engine core on its own copy; /analyze reads this process's.
+            # Generation runs in the engine core on its own copy; /analyze on the analysis process's float one.
             "generation_weights": settings.quantize if settings.quantize != "none" else settings.dtype,
-            "analysis_weights": str(state.model.dtype).removeprefix("torch."),
+            "analysis_weights": settings.dtype,
             "method": QUANTIZE_METHODS.get(settings.quantize),
         },
         "max_input_tokens": limits.context_length - 1,

@@ -19,10 +19,11 @@ class ServiceState(SharedState):
     client: EngineClient | None = None  # the engine core's process; started by the app's lifespan
     generations: Generations | None = None  # the HTTP side of a generation
     serving: bool = False  # the lifespan has started the engine core
+    parameters: int = 0  # the served model's, counted from its config (/info)
 
     def __post_init__(self) -> None:
         if self.limits is None:
-            config = self.model.config
+            config = self.config
             self.limits = Limits.from_settings(self.settings, config.n_positions, config.vocab_size)
 
 

@@ -1,8 +1,10 @@
 """The source document's experiment (seeds/001, §2.3), run through transformers: the reference.
 
 Its script, minus the padding docs/analysis.md explains we leave out: one text at a time (batch size 1),
-`AutoModel` with eager attention and `output_attentions=True`, `svdvals(head.float()).max()` per
-head, averaged per layer over texts and heads.
+`AutoModel` with eager attention and `output_attentions=True`, `svdvals(head).max()` per
+head, averaged per layer over texts and heads. The script's float32 `svdvals` is taken in float64
+here: on CUDA torch's default driver (cuSOLVER's Jacobi gesvdj) is off by up to 3e-3 in float32,
+which would make the reference, not the analysis, the inaccurate side.
 """
 
 from __future__ import annotations
@@ -24,12 +26,12 @@ def load_document_tokenizer(model_dir: Path):
 
 @torch.no_grad()
 def document_sigmas(model, token_ids: list[list[int]]) -> torch.Tensor:
-    """σ_max of every head, [n_texts, n_layer, n_head], float32, exactly as the script takes them."""
+    """σ_max of every head, [n_texts, n_layer, n_head], float32, of the script's float32 heads."""
     per_text = []
     for ids in token_ids:
         attentions = model(torch.tensor([ids], device=model.device), output_attentions=True).attentions
         per_text.append(
-            torch.stack([torch.stack([torch.linalg.svdvals(head.float()).max() for head in layer[0]]) for layer in attentions])
+            torch.stack([torch.stack([torch.linalg.svdvals(head.double()).max().float() for head in layer[0]]) for layer in attentions])
         )
     return torch.stack(per_text).cpu()
 

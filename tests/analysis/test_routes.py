@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import os
 import sys
-import threading
 import xml.etree.ElementTree as ET
+from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from model.analysis import analyze
-from service.analysis import routes as analysis_routes
+from service.analysis import process as analysis_process
+from service.analysis import report
 from service.analysis.figure import MEAN_GID, SVG_MEDIA_TYPE
+from service.analysis.remote import AnalysisClient
 from tests.analysis.conftest import ANALYSIS_MAX_TOKENS, TEXTS
 from tests.analysis.document_recipe import document_curve
 from tests.conftest import TINY, assert_validation_error
@@ -117,18 +120,14 @@ def test_over_the_concurrency_limit_is_429_then_served_again(client, app) -> Non
     assert client.get(URL, params={"text": "one too many", "layers": "0"}).status_code == 200
 
 
-def test_analysis_runs_in_a_worker_thread(client, monkeypatch) -> None:
-    threads = []
-    real = analysis_routes.reports
-
-    def spy(*args, **kwargs):
-        threads.append(threading.current_thread())
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(analysis_routes, "reports", spy)
+def test_analysis_runs_in_the_analysis_process_not_here(client, app, monkeypatch) -> None:
+    # Were it computed in this (the HTTP) process, the patched functions would fail it.
+    for module in (report, analysis_process):
+        monkeypatch.setattr(module, "reports", lambda *a: pytest.fail("analysed in the HTTP process"))
     assert client.get(URL, params={"text": "where", "layers": "0"}).status_code == 200
-    assert len(threads) == 1 and threads[0] is not threading.main_thread()
-    assert threads[0].name.startswith("AnyIO worker thread")
+    pid = app.state.analysis.pid
+    assert pid is not None and pid != os.getpid()
+    assert Path(f"/proc/{pid}/comm").read_text().strip() == "gpt2-analysis"
 
 
 def test_requests_and_durations_are_counted(client) -> None:
@@ -153,7 +152,7 @@ def test_requests_and_durations_are_counted(client) -> None:
 
 def test_svg_without_matplotlib_is_a_422_before_any_work(client, monkeypatch) -> None:
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # what an install without it looks like
-    monkeypatch.setattr(analysis_routes, "reports", lambda *a: pytest.fail("analysed for a figure it cannot draw"))
+    monkeypatch.setattr(AnalysisClient, "call", lambda *a: pytest.fail("sent for a figure it cannot draw"))
     assert_validation_error(client.get(URL, params={"text": "x", "format": "svg"}), "matplotlib", "not installed")
     monkeypatch.undo()
     assert client.get(URL, params={"text": "x", "format": "svg", "layers": "0"}).status_code == 200

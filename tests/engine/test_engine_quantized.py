@@ -37,7 +37,7 @@ def own_greedy(model, length: int, new: int) -> list[int]:
 
 
 @pytest.mark.parametrize("chunk", [None, 8], ids=["whole-prefill", "chunked-prefill"])
-def test_greedy_through_the_engine_is_the_quantized_models_own(make_engine, quantized_model, tiny_model, chunk):
+def test_greedy_through_the_engine_is_the_quantized_models_own(make_engine, quantized_model, tiny_model_dir, chunk):
     expected = {case: own_greedy(quantized_model, *case) for case in CASES}
     config = {} if chunk is None else {"max_prefill_tokens": chunk}
     engine = make_engine(model=quantized_model, max_slots=len(CASES), **config)
@@ -50,9 +50,11 @@ def test_greedy_through_the_engine_is_the_quantized_models_own(make_engine, quan
         [result] = engine.generate([make_request(random_prompt(case[0], seed=case[0]), max_new_tokens=case[1])])
         assert result.sequences[0].token_ids == expected[case], case
     assert engine.cache.slots_used == 0
-    # The quantized model is not the float one under another name.
+    # The quantized model is not the float one under another name. The float one is loaded on the
+    # CPU here, where the quantized one runs (the quantized modes are CPU-only: on the CUDA lane the
+    # session's `tiny_model` sits on the GPU, and the comparison would mix devices).
     ids = torch.tensor([random_prompt(9, seed=9)])
-    assert not torch.equal(quantized_model(ids).logits, tiny_model(ids).logits)
+    assert not torch.equal(quantized_model(ids).logits, load_model(tiny_model_dir)(ids).logits)
 
 
 def test_seeded_request_gives_the_same_tokens_alone_and_in_a_busy_batch(make_engine, quantized_model):

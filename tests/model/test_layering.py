@@ -122,3 +122,20 @@ def test_arrow_scan_sees_every_spelling(tmp_path):
     found = module_imports(sample, "service.common")
     assert {"service.analysis.report", "service.http", "service.analysis.routes", "service.common.errors"} <= found
     assert reaches("service.http", ONE_WAY["service/common"]) and not reaches("service.httpx", ONE_WAY["service/common"])
+
+
+# The analysis process (service/analysis/process.py) is spawned beside the engine core: like the
+# core it loads without the HTTP stack, and only its protocol's messages cross to the HTTP side.
+ANALYSIS_PROCESS_FILES = ("process", "protocol", "report", "figure")
+
+
+def test_the_analysis_process_imports_nothing_of_the_http_stack():
+    allowed = tuple(f"service.analysis.{name}" for name in ANALYSIS_PROCESS_FILES)
+    offenders = {}
+    for name in ANALYSIS_PROCESS_FILES:
+        modules = module_imports(REPO / "service" / "analysis" / f"{name}.py", "service.analysis")
+        bad = {m for m in modules if m.split(".")[0] in HTTP_LIBRARIES}
+        bad |= {m for m in modules if m.startswith("service.") and not reaches(m, allowed)}
+        if bad:
+            offenders[name] = sorted(bad)
+    assert not offenders, f"the analysis process imports the HTTP side: {offenders}"

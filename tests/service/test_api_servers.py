@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.processes import api_server_pids, connection_owner
+from tests.processes import analysis_pids, api_server_pids, connection_owner
 from tests.service.live import WAIT_S, live_server, wait_until
 
 pytestmark = pytest.mark.slow
@@ -176,6 +176,21 @@ def _both_serve(server) -> bool:
     except (AssertionError, OSError):
         return False
     return all(conn.get("/health")[0] == 200 for (conn,) in pinned.values())
+
+
+def test_either_process_analyses_through_the_one_analysis_process(server):
+    [analysis] = analysis_pids(server.process.pid)  # one, for two HTTP processes
+    pinned = pinned_to_each(server)
+    body = {"text": "Which process answers?", "top_k": 2}
+    answers = [conn.post("/analyze/logit-lens", body) for (conn,) in pinned.values()]
+    assert [status for status, _ in answers] == [200, 200], answers
+    assert answers[0][1] == answers[1][1]
+    os.kill(analysis, signal.SIGKILL)
+    for (conn,) in pinned.values():
+        wait_until(lambda conn=conn: conn.post("/analyze/logit-lens", body)[0] == 503, WAIT_S, "a 503 for /analyze")
+        status, answer = conn.post("/analyze/logit-lens", body)
+        assert answer["error_type"] == "unavailable" and "analysis process has stopped" in answer["error"], answer
+        assert conn.get("/health")[0] == 200  # generation does not need it
 
 
 def test_a_killed_engine_core_fails_every_process_at_once(server):

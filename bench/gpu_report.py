@@ -1,0 +1,88 @@
+"""bench/gpu_check.py's report as markdown: one table per part, every served figure beside the anchor."""
+
+from __future__ import annotations
+
+
+def table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(" ---: " for _ in header) + "|"]
+    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
+
+
+def pair(values: list[float], fmt: str = ".1f") -> str:
+    return " / ".join(format(v, fmt) for v in values)
+
+
+def anchor_rates(parts: dict) -> dict[int, float]:
+    anchor = parts.get("anchor", {})
+    return {row["batch"]: row["tokens_per_s"] for row in anchor.get("result", {}).get("rows", [])}
+
+
+def ratio(rate: float, anchor: float | None) -> str:
+    return f"{rate / anchor:.2f}" if anchor else "-"
+
+
+def lane(result: dict) -> str:
+    text = (f"{result['passed']} passed, {result['failed']} failed, {result['errors']} errors, "
+            f"{result['skipped']} skipped (pytest exit {result['exit_code']})")
+    return text + "".join(f"\n- `{failure}`" for failure in result["failures"])
+
+
+def anchor(result: dict) -> str:
+    return table(["batch", "tok/s", "ms per step", "keys read", "CUDA graph"],
+                 [[str(r["batch"]), f"{r['tokens_per_s']:,.0f}", f"{r['ms_per_step']:.3f}", str(r["kv_length"]),
+                   "yes" if r["graph"] else "no (eager)"] for r in result["rows"]])
+
+
+def serve(result: dict, anchors: dict[int, float]) -> str:
+    rows = [[str(r["clients"]), f"{r['tokens_per_s']:,.0f}", f"{anchors.get(r['clients'], 0):,.0f}",
+             ratio(r["tokens_per_s"], anchors.get(r["clients"])), pair(r["ttft_ms"], ".0f"), pair(r["itl_ms"]),
+             f"{r['http_cpu_ms_per_token']:.3f}", f"{r['core_cpu_ms_per_token']:.3f}"] for r in result["rows"]]
+    header = ["clients", "served tok/s", "anchor tok/s", "served / anchor", "TTFT p50 / p99 ms", "ITL p50 / p99 ms",
+              "HTTP CPU ms/token", "core CPU ms/token"]
+    return f"Server ready {result['startup_s']:.1f} s after launch.\n\n" + table(header, rows)
+
+
+def api_servers(result: dict, anchors: dict[int, float]) -> str:
+    rows = []
+    for r in result["rows"]:
+        gpu = r["gpu_processes"]
+        gpu_text = "nvidia-smi unavailable" if gpu is None else f"{len(gpu)}: " + ", ".join(f"{g['mib']} MiB" for g in gpu)
+        rows.append([str(r["api_servers"]), f"{r['startup_s']:.1f}", f"{r['tokens_per_s']:,.0f}",
+                     ratio(r["tokens_per_s"], anchors.get(result["clients"])), pair(r["itl_ms"]),
+                     f"{r['http_idle_cpu_percent']:.1f}", "-" if gpu is None else str(r["http_processes_on_gpu"]), gpu_text])
+    header = ["HTTP processes", "ready after s", "tok/s", "served / anchor", "ITL p50 / p99 ms", "idle CPU % per HTTP process",
+              "HTTP processes on the GPU", "GPU processes (nvidia-smi)"]
+    text = f"{result['clients']} clients.\n\n" + table(header, rows)
+    first, *others = result["rows"]
+    for other in others:
+        text += (f"\n\n--api-servers {other['api_servers']}: ready in {other['startup_s'] / first['startup_s']:.2f}x"
+                 f" a lone server's time, {other['tokens_per_s'] / first['tokens_per_s']:.2f}x its tok/s.")
+    return text
+
+
+def script(result: dict) -> str:
+    return f"`{result['command']}`\n\n```\n{result['output'].strip()}\n```"
+
+
+def quantize(result: dict) -> str:
+    return table(["mode", "outcome", "detail"], [[r["mode"], r["outcome"], r["detail"].replace("|", "\\|")] for r in result["rows"]])
+
+
+def markdown(report: dict) -> str:
+    parts = {row["part"]: row for row in report["parts"]}
+    anchors = anchor_rates(parts)
+    out = [f"# GPU check, {report['date']}", "", report["machine"], "",
+           f"{report['seconds']:.0f} s in all.", "",
+           table(["part", "status", "seconds", "limit s", "what"],
+                 [[r["part"], r["status"], f"{r['seconds']:.0f}", f"{r['limit_s']:.0f}", r["what"]] for r in report["parts"]])]
+    render = {"lane": lane, "anchor": anchor, "serve": lambda r: serve(r, anchors),
+              "api-servers": lambda r: api_servers(r, anchors), "spectrum": script, "prefix": script,
+              "speculative": script, "quantize": quantize}
+    for name, row in parts.items():
+        out += ["", f"## {name}", ""]
+        if row["status"] == "ok":
+            out.append(render[name](row["result"]))
+        else:
+            out.append(f"**{row['status']}** after {row['seconds']:.0f} s (limit {row['limit_s']:.0f} s); the log's end:\n\n"
+                       f"```\n{row['log_tail'].strip()}\n```")
+    return "\n".join(out) + "\n"

@@ -1,0 +1,90 @@
+"""Messages between the HTTP processes and the analysis process, and their encoding.
+
+ZeroMQ carries them: the analysis process binds one ROUTER socket, every HTTP process connects
+a DEALER (ROUTER knows who asked, so one analysis process answers any number of HTTP
+processes, and the answer for a process that is gone is dropped). msgspec's MessagePack encodes
+them, as the engine core's messages are (service/engine/protocol.py). Each call carries a
+number its answer repeats: a process may wait on several at once.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import msgspec
+
+SOCKET_NAME = "analysis"
+
+
+def analysis_address(directory: Path) -> str:
+    """The analysis process's socket in a run directory (a lone server's own, or the supervisor's)."""
+    return f"ipc://{directory}/{SOCKET_NAME}"
+
+
+class Hello(msgspec.Struct, tag=True):
+    """Answered Ready once the models are loaded (their weight spectra may still be computing)."""
+
+
+class Spectrum(msgspec.Struct, tag=True):
+    texts: list[str] | None
+    token_ids: list[list[int]] | None
+    method: str
+    layers: list[int] | None
+    format: str
+    compare: bool  # also the comparison model (the HTTP side checked that there is one)
+
+
+class Attention(msgspec.Struct, tag=True):
+    token_ids: list[int]
+    layers: list[int]
+    format: str
+
+
+class Lens(msgspec.Struct, tag=True):
+    token_ids: list[int]
+    top_k: int
+
+
+Call = Hello | Spectrum | Attention | Lens
+
+
+class Request(msgspec.Struct):
+    id: int
+    call: Call
+
+
+class Ready(msgspec.Struct, tag=True):
+    pid: int
+
+
+class Done(msgspec.Struct, tag=True):
+    body: bytes
+    media_type: str
+    seconds: float  # the analysis itself, for gpt2_analysis_duration_seconds
+
+
+class Refused(msgspec.Struct, tag=True):
+    """The request cannot be analysed (422: "validation") or every analysis slot is busy
+    (429: "overloaded")."""
+
+    kind: str
+    message: str
+
+
+class Failed(msgspec.Struct, tag=True):
+    """The models could not be loaded (every call gets this), or the analysis raised."""
+
+    message: str
+
+
+Answer = Ready | Done | Refused | Failed
+
+
+class Reply(msgspec.Struct):
+    id: int
+    answer: Answer
+
+
+encoder = msgspec.msgpack.Encoder()
+requests = msgspec.msgpack.Decoder(Request)
+replies = msgspec.msgpack.Decoder(Reply)

