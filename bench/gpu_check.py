@@ -224,40 +224,28 @@ def part_speculative(cfg: Config) -> dict:
 
 
 def part_quantize(cfg: Config) -> dict:
-    """Each mode started as a user would; a mode that serves must answer a request."""
+    """Each mode started as a user would (bench/common.py's server lifecycle); a mode that serves
+    must answer a request, one that cannot must stop with its one `cannot start:` line."""
     import httpx
 
+    from bench.common import ServiceProcess
     from model.quantized import QUANTIZE_MODES
-    from tests.processes import STARTUP_TIMEOUT_S, clean_env, free_port
 
     rows = []
     for mode in [m for m in QUANTIZE_MODES if m != "none"]:
-        port = free_port()
-        command = [sys.executable, "-m", "service", "--model-dir", str(cfg.model_dir), "--device", cfg.device,
-                   "--dtype", cfg.dtype, "--quantize", mode, "--port", str(port), "--max-batch-size", "4"]
-        process = subprocess.Popen(command, cwd=REPO, env=clean_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        deadline, row = time.monotonic() + STARTUP_TIMEOUT_S, {"mode": mode, "outcome": "did not start", "detail": ""}
-        try:
-            while time.monotonic() < deadline:
-                if process.poll() is not None:
-                    lines = process.stderr.read().strip().splitlines() or [""]
-                    row["outcome"] = "refused" if lines[-1].startswith("cannot start:") else f"exited {process.returncode}"
-                    row["detail"] = lines[-1]
-                    break
-                try:
-                    answer = httpx.post(f"http://127.0.0.1:{port}/generate", timeout=60,
-                                        json={"inputs": "Hello", "parameters": {"max_new_tokens": 4}})
-                except httpx.HTTPError:
-                    time.sleep(0.3)
-                    continue
-                row["outcome"] = "served" if answer.status_code == 200 else f"answered {answer.status_code}"
-                row["detail"] = answer.text[:200]
-                break
-        finally:
-            if process.poll() is None:
-                process.terminate()
-                process.wait(30)
-        rows.append(row)
+        flags = ["--model-dir", str(cfg.model_dir), "--device", cfg.device, "--dtype", cfg.dtype, "--quantize", mode,
+                 "--max-batch-size", "4"]
+        with ServiceProcess(flags, cwd=REPO) as server:
+            try:
+                server.wait_ready()
+            except RuntimeError:
+                last = (server.log_tail().strip().splitlines() or [""])[-1]
+                outcome = "refused" if last.startswith("cannot start:") else f"exited {server.process.poll()}"
+                rows.append({"mode": mode, "outcome": outcome, "detail": last})
+                continue
+            answer = httpx.post(f"{server.url}/generate", timeout=60, json={"inputs": "Hello", "parameters": {"max_new_tokens": 4}})
+            outcome = "served" if answer.status_code == 200 else f"answered {answer.status_code}"
+            rows.append({"mode": mode, "outcome": outcome, "detail": answer.text[:200]})
     return {"rows": rows}
 
 

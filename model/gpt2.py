@@ -88,9 +88,9 @@ def attend_by_row(
     for b, (q, (n, length)) in enumerate(zip(queries, ctx.row_spans)):
         own_keys, own_values = keys[b : b + 1, :, :length], values[b : b + 1, :, :length]  # [1, H, L_b, d_h]
         if n > 1 and ctx.one_query_per_call:
-            seen = range(length - n + 1, length + 1)  # keys each query sees
-            outputs.append(torch.cat([F.scaled_dot_product_attention(q[:, :, j : j + 1], own_keys[:, :, :keys], own_values[:, :, :keys])
-                                      for j, keys in enumerate(seen)], dim=2))  # [1, H, n, d_h]
+            seen = range(length - n + 1, length + 1)  # how many keys each query sees
+            outputs.append(torch.cat([F.scaled_dot_product_attention(q[:, :, j : j + 1], own_keys[:, :, :count], own_values[:, :, :count])
+                                      for j, count in enumerate(seen)], dim=2))  # [1, H, n, d_h]
             continue
         # One query sees every key up to its own: no mask, as a lone decode row runs.
         mask = None if n == 1 else ctx.mask[b : b + 1, :, :n, :length]
