@@ -20,18 +20,10 @@ import tempfile
 from pathlib import Path
 
 from bench.bench_serve import Server, drive_clients, prompt_texts, serve_clients
+from bench.common import write_random_model
 from model.config import GPT2Config
-from weights.bpe_source import write_tokenizer_files
-from weights.prepare import CACHE_DIR
-from weights.random_init import init_state, write_model_dir
 
 SMALL = GPT2Config(vocab_size=50257, n_positions=256, n_embd=256, n_layer=4, n_head=4)
-
-
-def write_small_model(out_dir: Path) -> Path:
-    write_model_dir(out_dir, SMALL, init_state(SMALL, seed=0))
-    write_tokenizer_files(out_dir, CACHE_DIR)
-    return out_dir
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -86,7 +78,7 @@ def main() -> None:
         compare(args)
         return
     with tempfile.TemporaryDirectory() as tmp:
-        args.model_dir = write_small_model(Path(tmp))
+        args.model_dir = write_random_model(Path(tmp), SMALL)
         compare(args)
 
 

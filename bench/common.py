@@ -17,10 +17,14 @@ from pathlib import Path
 import httpx
 import torch
 
+from model.config import GPT2Config
 from model.gpt2 import GPT2
 from service.settings import Settings
 from tests.processes import STARTUP_TIMEOUT_S, clean_env, free_port
+from weights.bpe_source import write_tokenizer_files
 from weights.checkpoint import load_model
+from weights.prepare import CACHE_DIR
+from weights.random_init import init_state, write_model_dir
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -98,6 +102,13 @@ def describe_machine() -> str:
     )
 
 
+def write_random_model(folder: Path, config: GPT2Config) -> Path:
+    """A servable folder: random-init weights of `config` and GPT-2's tokenizer."""
+    write_model_dir(folder, config, init_state(config, seed=0))
+    write_tokenizer_files(folder, CACHE_DIR)
+    return folder
+
+
 def weight_bytes(model: GPT2) -> int:
     """Bytes one decode step must read: every parameter once (wpe rows aside)."""
     return sum(p.numel() * p.element_size() for name, p in model.named_parameters() if name != "wpe.weight")
@@ -138,16 +149,19 @@ class ServiceProcess:
     also have to redo the log and the stop, and one that forgot half of it crashed at the end of
     a run (bench_prefix, bench_speculative)."""
 
-    def __init__(self, flags: list[str], cwd: Path | None = None) -> None:
-        """`cwd`: the checkout whose code `-m service` runs (another worktree); default, this one."""
+    def __init__(self, flags: list[str], cwd: Path | None = None, env: dict[str, str] | None = None,
+                 module: str = "service") -> None:
+        """`cwd`: the checkout whose code `-m service` runs (another worktree); default, this one.
+        `env`: variables added to the server's environment; `module`: what runs instead of
+        `service` with the same flags (bench/host_standin.py)."""
         self.flags = list(flags)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.command = [sys.executable, "-m", "service", *self.flags, "--port", str(self.port)]
+        self.command = [sys.executable, "-m", module, *self.flags, "--port", str(self.port)]
         # Its log goes to a file: a pipe nobody reads fills after a few hundred requests' access
         # lines, and the server then blocks writing the next.
         self.log = tempfile.TemporaryFile()
-        self.process = subprocess.Popen(self.command, cwd=cwd, env=clean_env(), stdout=subprocess.DEVNULL,
+        self.process = subprocess.Popen(self.command, cwd=cwd, env=clean_env() | (env or {}), stdout=subprocess.DEVNULL,
                                         stderr=self.log)
 
     def log_tail(self, chars: int = 2000) -> str:

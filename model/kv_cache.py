@@ -94,8 +94,10 @@ class KVCache:
             heapq.heappush(self._free, slot)
 
     # --- tensors ----------------------------------------------------------------------------
-    def batch(self, slots: list[int]) -> SlotBatch:
-        ids = torch.tensor(slots, dtype=torch.long).to(self.device, non_blocking=True)
+    def batch(self, slots: list[int], ids: torch.Tensor | None = None) -> SlotBatch:
+        """`ids`: the slots as a tensor on the device already (copied there with other inputs)."""
+        if ids is None:
+            ids = torch.tensor(slots, dtype=torch.long).to(self.device, non_blocking=True)
         consecutive = all(b == a + 1 for a, b in zip(slots, slots[1:]))
         span = slice(slots[0], slots[-1] + 1) if slots and consecutive else None
         return SlotBatch(ids=ids, span=span)

@@ -30,7 +30,7 @@ from service.engine.beams import advance_beams, beam_results, start_beam_search
 from service.engine.forward import forward_from
 from service.engine.graphs import StaticDecode
 from service.engine.prompt_scores import add_prompt_scores
-from service.engine.scheduler import PrefillChunk, RequestState, Scheduler, Sequence, StepPlan
+from service.engine.scheduler import BY_SLOT, PrefillChunk, RequestState, Scheduler, Sequence, StepPlan
 from service.engine.slot_controls import SlotControls
 from service.engine.slot_params import SlotParams
 from service.engine.speculation import kept_length, new_drafter, propose
@@ -82,9 +82,19 @@ class StepRows:
     sample_rows: torch.Tensor  # [B] logits row of each sampled sequence
     sample_slots: torch.Tensor  # [B] its KV-cache slot (and parameter-table row)
     sample_counters: torch.Tensor  # [B] tokens its sequence holds: which draw of its seed
+    # Row b of the logits is slot b's, for every b, and nothing else: the usual decode step
+    # once the running sequences are packed into slots 0..B-1 (a persistent batch). The
+    # per-slot tables are then read as views of their first B rows and the logits as they
+    # are, with no gather (on a GPU: no [B, V] copy and no index kernels).
+    in_slot_order: bool = False
+
+    @property
+    def read(self) -> torch.Tensor | slice:
+        """What selects the sampled rows of a per-slot table: a slice when in slot order."""
+        return slice(0, len(self.sampled)) if self.in_slot_order else self.sample_slots
 
 
-@dataclass
+@dataclass(slots=True)
 class SampledToken:
     state: RequestState
     seq: Sequence
@@ -201,8 +211,10 @@ class EngineCore:
             for s in completing
         ]
         self._advance_all(sampled, results)
-        results.done += [self._finish(state) for state in active if state.done]
-        self.scheduler.drop_finished()
+        finished = [state for state in active if state.done]
+        if finished:
+            results.done += [self._finish(state) for state in finished]
+            self.scheduler.drop_finished(finished)
         return len(rows.row_of)
 
     # --- admission ------------------------------------------------------------------------------
@@ -238,29 +250,39 @@ class EngineCore:
         Index tensors are built here: on CUDA a host→device copy waits for queued work, so
         making them after the forwards were launched would stall the host until they finish.
         """
-        decoding = sorted((seq for s in plan.decode for seq in s.live), key=lambda seq: seq.slot)
+        decoding = sorted((seq for s in plan.decode for seq in s.live), key=BY_SLOT)
         # One logits row per prompt chunk (a completed prompt's sequences share it), then one per
         # decoding sequence. A chunk that leaves part of its prompt for later samples nothing.
         row_of = {
             seq.slot: row for row, chunk in enumerate(plan.prefill) if chunk.completes for seq in chunk.state.sequences
         }
         row = len(plan.prefill)
-        for seq in decoding:
-            row_of[seq.slot] = row
-            row += 1 + len(seq.draft)
-        sampled, index_rows = [], []
-        for state in plan.completing + plan.decode:
-            if state.beam is not None:
-                continue
-            for seq in state.live:
-                # Row j of a sequence's 1 + k draws the token at its length + j (its seed's draw there).
-                for j in range(1 + len(seq.draft)):
-                    sampled.append((state, seq))
-                    index_rows.append([row_of[seq.slot] + j, seq.slot, len(seq.token_ids) + j])
+        sampled = [(state, seq) for state in plan.completing + plan.decode if state.beam is None for seq in state.live]
+        if not any(seq.draft for seq in decoding):
+            # Comprehensions, not a loop of appends: this runs over every row of every step.
+            row_of.update(zip([seq.slot for seq in decoding], range(row, row + len(decoding))))
+            row += len(decoding)
+            slots = [seq.slot for _, seq in sampled]
+            logit_rows = [row_of[slot] for slot in slots]
+            counters = [len(seq.token_ids) for _, seq in sampled]
+        else:
+            for seq in decoding:
+                row_of[seq.slot] = row
+                row += 1 + len(seq.draft)
+            # Row j of a sequence's 1 + k draws the token at its length + j (its seed's draw there).
+            sampled = [(state, seq) for state, seq in sampled for _ in range(1 + len(seq.draft))]
+            logit_rows, slots, counters, previous, j = [], [], [], None, 0
+            for _, seq in sampled:
+                j = j + 1 if seq is previous else 0
+                previous = seq
+                logit_rows.append(row_of[seq.slot] + j)
+                slots.append(seq.slot)
+                counters.append(len(seq.token_ids) + j)
         # One host→device copy for the three index vectors: [3, B].
-        indices = torch.tensor(index_rows, dtype=torch.long).reshape(-1, 3).t().to(self.device, non_blocking=True)
+        indices = torch.tensor([logit_rows, slots, counters], dtype=torch.long).to(self.device, non_blocking=True)
         sample_rows, sample_slots, sample_counters = indices  # [B] each
-        return StepRows(decoding, row_of, sampled, sample_rows, sample_slots, sample_counters)
+        in_order = row == len(slots) and logit_rows == slots == list(range(len(slots)))
+        return StepRows(decoding, row_of, sampled, sample_rows, sample_slots, sample_counters, in_order)
 
     def _run(self, plan: StepPlan, rows: StepRows) -> torch.Tensor:
         """Logits [rows, V] in the layout of `rows`: prefill rows, then decode rows."""
@@ -312,36 +334,38 @@ class EngineCore:
             return forward_from(self.model, self.cache, slots, starts, pieces, every_position=True, one_query_per_call=True).logits
         if self.static_decode is not None:
             return self.static_decode.run(slots, [s.token_ids[-1] for s in seqs], [len(s.token_ids) - 1 for s in seqs])
-        input_ids = torch.tensor([[s.token_ids[-1]] for s in seqs], device=self.device)  # [B, 1]
-        positions = torch.tensor([[len(s.token_ids) - 1] for s in seqs], device=self.device)  # [B, 1]
+        lengths = [len(s.token_ids) for s in seqs]
+        host = torch.tensor([slots, [s.token_ids[-1] for s in seqs], [n - 1 for n in lengths]], dtype=torch.long)
+        slot_ids, input_ids, positions = host.to(self.device, non_blocking=True)  # [B] each: one copy
         # kv_length from Python ints: no device sync to find the longest row.
-        kv_length = max(len(s.token_ids) for s in seqs)
-        rows = self.cache.batch(slots)
-        out = self.model(input_ids, positions, self.cache, rows, kv_length=kv_length)
+        rows = self.cache.batch(slots, slot_ids)
+        out = self.model(input_ids[:, None], positions[:, None], self.cache, rows, kv_length=max(lengths))
         return out.logits[:, -1]  # [B, V]
 
     def _sample(self, logits: torch.Tensor, rows: StepRows) -> list[SampledToken]:
         if not rows.sampled:
             return []
-        slots = rows.sample_slots
-        requested = [state.params for state, _ in rows.sampled]
-        params = self.slot_params.gather(slots, requested)
-        params.controls = self.slot_controls.gather(slots, rows.sample_counters, requested)
-        seen = self.slot_params.seen(slots) if params.any_penalty else None
-        step_logits = logits[rows.sample_rows]  # [B, V]
+        slots, read = rows.sample_slots, rows.read
+        requested = [state.request.params for state, _ in rows.sampled]
+        params = self.slot_params.gather(read, requested)
+        params.controls = self.slot_controls.gather(read, rows.sample_counters, requested)
+        seen = self.slot_params.seen(read) if params.any_penalty else None
+        step_logits = logits if rows.in_slot_order else logits[rows.sample_rows]  # [B, V]
         tokens, logprobs = choose_tokens(step_logits, params, rows.sample_counters, seen)  # [B], [B]
         if params.any_penalty:
             self.slot_params.mark_seen(slots, tokens)
         self.slot_controls.record(params.controls, slots, rows.sample_counters, tokens)
         columns = [tokens[:, None].double(), logprobs[:, None].double()]
         # Alternatives: as many as the most demanding row asked for; each row keeps its own count.
-        n = max(state.params.top_logprobs for state, _ in rows.sampled)
+        n = max(p.top_logprobs for p in requested)
         if n:
             top_ids, top_logprobs = top_alternatives(step_logits.float(), n)  # [B, n], [B, n]
             columns += [top_ids.double(), top_logprobs.double()]
         # The sampler's one device→host copy: tokens, their log-probs and alternatives together
         # (float64 holds every token id exactly). [B, 2 + 2n]
         host = torch.cat(columns, dim=1).cpu().tolist()
+        if not n:
+            return [SampledToken(state, seq, int(row[0]), row[1]) for (state, seq), row in zip(rows.sampled, host)]
         return [
             SampledToken(state, seq, int(row[0]), row[1], alternatives(row, n, state.params.top_logprobs))
             for (state, seq), row in zip(rows.sampled, host)
@@ -353,6 +377,11 @@ class EngineCore:
         start = 0
         while start < len(sampled):
             seq = sampled[start].seq
+            if not seq.draft and seq.drafter is None:  # the usual row: one token, no draft to judge
+                results.tokens.append(self._advance(sampled[start]))
+                results.decode_output_tokens += len(seq.token_ids) - 1 > seq.prompt_length
+                start += 1
+                continue
             end = start + 1 + len(seq.draft)
             draft, decoding = seq.draft, len(seq.token_ids) > seq.prompt_length
             keep = kept_length([s.token for s in sampled[start:end]], draft)
@@ -375,7 +404,7 @@ class EngineCore:
         state, seq, token = sampled.state, sampled.seq, sampled.token
         seq.token_ids.append(token)
         seq.cached = len(seq.token_ids) - 1  # the forward that chose it wrote every earlier token
-        params = state.params
+        params = state.request.params
         if (token == self.eos_token_id and not params.ignore_eos) or token in params.stop_token_ids:
             reason = "eos_token"
         elif len(seq.token_ids) - seq.prompt_length >= params.max_new_tokens:

@@ -13,6 +13,7 @@ would compute, up to the order of floating-point sums. A failed step forgets eve
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 
 from service.engine.types import PromptScores
@@ -22,6 +23,8 @@ def common_prefix_length(a: list[int], b: list[int], limit: int | None = None) -
     """How many leading tokens a and b share (at most `limit`); list slices compare in C, so
     this bisects."""
     low, high = 0, min(len(a), len(b), len(a) if limit is None else limit)
+    if high == 0 or a[0] != b[0]:  # most candidates differ at once: no slices made
+        return 0
     while low < high:
         middle = (low + high + 1) // 2
         if a[:middle] == b[:middle]:
@@ -113,9 +116,13 @@ class PrefixCache:
     def clear(self) -> None:
         self.retained.clear()
 
-    def eviction_order(self, free_slots: list[int]) -> list[int]:
-        """Free slots, those holding nothing first, then least recently used first."""
-        return sorted(free_slots, key=lambda slot: (slot in self.retained, self._last_used(slot), slot))
+    def eviction_order(self, free_slots: list[int], count: int | None = None) -> list[int]:
+        """Free slots, those holding nothing first, then least recently used first; only the
+        first `count` of that order when given (no sort of every free slot per admission)."""
+        key = lambda slot: (slot in self.retained, self._last_used(slot), slot)  # noqa: E731
+        if count is None:
+            return sorted(free_slots, key=key)
+        return heapq.nsmallest(count, free_slots, key=key)  # sorted(...)[:count], documented so
 
     def _last_used(self, slot: int) -> int:
         kept = self.retained.get(slot)
@@ -134,12 +141,16 @@ class PrefixCache:
         running: list[tuple[object, list[int], int, ScoredPrefix | None]],
     ) -> PrefixMatch | None:
         """The longest reusable prefix among retained free slots and running sequences, given as
-        (sequence, its tokens, how many its slot holds, their scores). Ties go to adopting in
-        place."""
-        if not self.enabled:
+        (sequence, its tokens, how many its slot holds, their scores; only those starting with
+        the prompt's first token need be given). Ties go to adopting in place."""
+        if not self.enabled or not prompt:
             return None
         best: PrefixMatch | None = None
-        candidates = [(slot, None, kept.tokens, None, kept.scored) for slot, kept in self.retained.items()]
+        first = prompt[0]
+        # Filtered on the first token in these loops: with every slot full, each admission
+        # looks at hundreds of candidates, and nearly all differ there (reusable length 0).
+        candidates = [(slot, None, kept.tokens, None, kept.scored) for slot, kept in self.retained.items()
+                      if kept.tokens[0] == first]
         candidates += [(None, source, tokens, cached, scored) for source, tokens, cached, scored in running]
         for slot, source, tokens, cached, scored in candidates:
             length = reusable_length(prompt, tokens, scored, alternatives, cached)

@@ -12,6 +12,7 @@ import threading
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 from model.kv_cache import KVCache
 from service.engine.draft_policy import DraftAcceptance
@@ -31,6 +32,7 @@ from service.engine.types import (
 # A prompt sharing at least this many more tokens with a prompt still being prefilled than
 # with anything cached waits for it (a step or a few) rather than computing them again.
 SHARED_PREFIX_WORTH_WAITING = 32
+BY_SLOT = attrgetter("slot")
 
 
 @dataclass
@@ -80,11 +82,14 @@ class RequestState:
 
     @property
     def live(self) -> list[Sequence]:
-        return [s for s in self.sequences if s.finish_reason is None]
+        sequences = self.sequences
+        if len(sequences) == 1:  # most requests, read several times per row per step: no new list
+            return sequences if sequences[0].finish_reason is None else []
+        return [s for s in sequences if s.finish_reason is None]
 
     @property
     def done(self) -> bool:
-        return bool(self.sequences) and not self.live
+        return bool(self.sequences) and all(s.finish_reason is not None for s in self.sequences)
 
     @property
     def prefilling(self) -> bool:
@@ -244,11 +249,12 @@ class Scheduler:
         budget = PrefillBudget(self.max_prefill_tokens)
         # Prompts already admitted go on first, in admission order; then new ones while slots
         # and the budget allow.
-        chunks = []
+        chunks, decode = [], []
         for state in kept:
-            if state.prefilling and (size := budget.take(len(state.request.prompt_ids) - state.prefilled)):
+            if not state.prefilling:
+                decode.append(state)
+            elif size := budget.take(len(state.request.prompt_ids) - state.prefilled):
                 chunks.append(PrefillChunk(state, state.prefilled, state.prefilled + size))
-        decode = [state for state in kept if not state.prefilling]
         pending: list[tuple[Sequence, Sequence, int]] = []  # (source, destination, length)
         admitted = self._admit(now, budget, chunks, pending)
         moves = self._pack()
@@ -274,7 +280,7 @@ class Scheduler:
                     prompt = state.request.prompt_ids
                     match = None
                     if self.prefix.enabled:  # without the cache, nothing is reused or worth waiting for
-                        match = self.prefix.best_match(prompt, state.score_alternatives, self._running_prefixes())
+                        match = self.prefix.best_match(prompt, state.score_alternatives, self._running_prefixes(prompt[0]))
                         if self._worth_waiting(state, match.length if match else 0):
                             continue
                     reused = match.length if match else 0
@@ -290,19 +296,21 @@ class Scheduler:
                 self._waiting_count -= len(admitted)
         return admitted
 
-    def _running_prefixes(self) -> list[tuple[Sequence, list[int], int, ScoredPrefix | None]]:
+    def _running_prefixes(self, first_token: int) -> list[tuple[Sequence, list[int], int, ScoredPrefix | None]]:
+        """Running sequences' cached tokens starting with `first_token` (no other can share a
+        prefix). Plain loops, no properties: this runs over every running sequence per admission."""
         return [
             (seq, seq.token_ids, seq.cached, state.scored_prefix)
             for state in self.running
-            for seq in state.live
-            if seq.cached
+            for seq in state.sequences
+            if seq.cached and seq.finish_reason is None and seq.token_ids[0] == first_token
         ]
 
     def _worth_waiting(self, state: RequestState, reused: int) -> bool:
         prompt, wanted = state.request.prompt_ids, state.score_alternatives
         for other in self.running:
-            if not other.prefilling:
-                continue
+            if other.prefilled >= len(other.request.prompt_ids) or other.request.prompt_ids[0] != prompt[0]:
+                continue  # not prefilling (inline: hundreds per admission), or nothing shared
             if wanted is not None and (not other.params.prompt_logprobs or other.params.top_logprobs < wanted):
                 continue  # its scores could not be reused anyway
             shared = min(common_prefix_length(prompt, other.request.prompt_ids), len(prompt) - 1)
@@ -313,11 +321,12 @@ class Scheduler:
     def _place(self, state: RequestState, match: PrefixMatch | None, now: float, pending: list) -> None:
         """Give an admitted request its slots, the first one holding the reused prefix."""
         state.scheduled_time = now
-        free = self.prefix.eviction_order(self.cache.free_slots)
+        free = self.cache.free_slots
         if match is not None and match.adopt:
-            free.remove(match.slot)
-            free.insert(0, match.slot)
-        slots = free[: state.slots_needed]
+            others = self.prefix.eviction_order([slot for slot in free if slot != match.slot], state.slots_needed - 1)
+            slots = [match.slot, *others]
+        else:
+            slots = self.prefix.eviction_order(free, state.slots_needed)
         for slot in slots:
             self.cache.claim(slot)
             self.prefix.drop(slot)
@@ -348,8 +357,9 @@ class Scheduler:
         self.cache.free(seq.slot)
         self.prefix.keep(seq.slot, seq.token_ids[: seq.cached], state.scored_prefix)
 
-    def drop_finished(self) -> None:
-        self.running = [s for s in self.running if not s.done]
+    def drop_finished(self, finished: list[RequestState]) -> None:
+        gone = {id(state) for state in finished}
+        self.running = [s for s in self.running if id(s) not in gone]
 
     def abort_running(self) -> list[RequestState]:
         """Free every running request's slots (after a failed step) and forget them, and
@@ -379,7 +389,7 @@ class Scheduler:
         retained prefix swaps it into the slot the sequence left, so packing evicts nothing.
         """
         moves = []
-        live = sorted((seq for state in self.running for seq in state.live), key=lambda s: s.slot)
+        live = sorted((seq for state in self.running for seq in state.live), key=BY_SLOT)
         while live and live[-1].slot >= len(live):
             seq = live.pop()
             target = self.cache.allocate(1)[0]  # the lowest free slot, below seq.slot
@@ -389,5 +399,5 @@ class Scheduler:
             self.prefix.move(target, seq.slot)
             seq.slot = target
             live.insert(0, seq)
-            live.sort(key=lambda s: s.slot)
+            live.sort(key=BY_SLOT)
         return moves

@@ -88,8 +88,10 @@ class SlotControls:
         for table in self._tables:
             table[dst] = table[src]
 
-    def gather(self, slots: torch.Tensor, counters: torch.Tensor, params: list[SamplingParams]) -> Controls | None:
-        """Controls of the rows using `slots` [B] holding `counters` [B] tokens; None if no row has any."""
+    def gather(self, slots: torch.Tensor | slice, counters: torch.Tensor, params: list[SamplingParams]) -> Controls | None:
+        """Controls of the rows using `slots` [B] (or a slice of the first B: views) holding
+        `counters` [B] tokens; None if no row has any."""
+        params = [p for p in params if not p.plain]  # a plain row uses no control
         bias, counts, history, min_new = (any(f(p) for p in params) for f in (uses_bias, uses_counts, uses_history, uses_min_new))
         warpers = any(uses_warpers(p) for p in params)
         if not (bias or counts or history or min_new or warpers):
@@ -105,7 +107,7 @@ class SlotControls:
             history=self._history[slots] if history else None,
             lengths=counters if history else None,
             ngram=ints[:, NGRAM] if history else None,
-            max_ngram=max(p.no_repeat_ngram_size for p in params),
+            max_ngram=max((p.no_repeat_ngram_size for p in params), default=0),
             bad=self._bad[slots] if history and any(p.bad_words_ids for p in params) else None,
             warpers=warpers,
         )

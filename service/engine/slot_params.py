@@ -45,9 +45,11 @@ class SlotParams:
         self._seed[dst] = self._seed[src]
         self._seen[dst] = self._seen[src]
 
-    def gather(self, slots: torch.Tensor, params: list[SamplingParams]) -> SamplingTensors:
-        """The parameters of rows using `slots` [B]; `params` are the same rows' settings."""
+    def gather(self, slots: torch.Tensor | slice, params: list[SamplingParams]) -> SamplingTensors:
+        """The parameters of rows using `slots` [B] (or slots 0..B-1 as a slice: views, no copy);
+        `params` are the same rows' settings."""
         floats = self._floats[slots]  # [B, 4]
+        params = [p for p in params if not p.plain]  # the flags' answers are all False for the others
         return SamplingTensors(
             temperature=floats[:, TEMPERATURE],
             top_k=self._top_k[slots],
@@ -60,7 +62,7 @@ class SlotParams:
             any_penalty=any(p.repetition_penalty != 1.0 for p in params),
         )
 
-    def seen(self, slots: torch.Tensor) -> torch.Tensor:
+    def seen(self, slots: torch.Tensor | slice) -> torch.Tensor:
         return self._seen[slots]  # [B, V]
 
     def mark_seen(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:

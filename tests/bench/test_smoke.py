@@ -121,6 +121,13 @@ def test_bench_http_cpu(tiny_model_dir):
     assert_columns(out, "round 0: HTTP CPU ms per token, old", "new / old: median")
 
 
+def test_bench_host_times_the_standin_server_of_two_checkouts():
+    # --against this very checkout: the old side runs through the launcher copied beside it, as
+    # a worktree's would. bench_host checks each server decodes the stand-in's ids (else exit 1).
+    out = run_bench("bench_host", "--smoke", "--against", REPO)
+    assert_columns(out, "core µs/row-step", "core ms/step", "rows/step", "HTTP µs/token", "new/old")
+
+
 def test_bench_prefix_runs_every_workload_and_stops_its_servers(tiny_model_dir, tmp_path):
     """--chunk = --prefill-tokens: "chunked" and "whole" are the "on" server, so every workload
     runs on two servers. Stopping them crashed bench_prefix and bench_speculative at the end."""

@@ -1,0 +1,201 @@
+"""The host's cost of serving, with the device's work taken out: the loop to iterate on without a GPU.
+
+    .venv/bin/python -m bench.bench_host                                  # this checkout
+    git worktree add --detach /tmp/old <commit>
+    .venv/bin/python -m bench.bench_host --against /tmp/old --rounds 3    # before vs after, same run
+
+The real server (`python -m service`: HTTP process, engine core process, analysis process) runs
+through bench/host_standin.py, which replaces the model's forwards and the sampler's draw with
+stand-ins of negligible cost in the engine core; its docstring says exactly what that leaves out
+(kernel launches, device waits, every vocabulary-wide tensor). Everything else is the product's
+own code path. C streaming clients (`/generate_stream`, greedy, ignore_eos, prompts of different
+lengths, on raw connections that count events: cheap enough for one process to keep 256 busy) each run --requests-per-stream requests of --new-tokens tokens.
+
+Printed per stream count and checkout, from the processes' own CPU time (/proc: robust to the
+machine being shared with the clients, unlike wall time) and the server's /metrics:
+- core µs per row-step: the engine core's CPU time over the rows it stepped (tokens computed);
+- core ms per step (host only: the stand-in device's sleep is not CPU time), and rows per step
+  (how full the batch ran: the device's pace, --device-ms, decides how much streams overlap);
+- HTTP µs per token: the HTTP process's CPU time over the tokens the clients received.
+The issue's goals: at most 10 µs per row-step at 256 streams, 30 µs HTTP CPU per token at 64.
+A tiny model is served (one 64-wide layer, GPT-2's vocabulary and tokenizer): with the stand-ins
+its size changes nothing but the memory the KV cache takes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import re
+import shutil
+import statistics
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from bench.bench_serve import prompt_texts
+from bench.common import ServiceProcess, add_smoke_argument, describe_machine, write_random_model
+from bench.host_standin import TOKEN_RANGE, TOKEN_STRIDE
+from model.config import GPT2Config
+from tests.processes import cpu_seconds, engine_core_pid
+
+TINY = GPT2Config(vocab_size=50257, n_positions=256, n_embd=64, n_layer=1, n_head=1)
+LAUNCHER = "gpt2_host_standin"  # bench/host_standin.py's name beside another checkout
+MIN_TOKENS = 2048  # per measurement: enough clock ticks (10 ms) of CPU time to read
+
+
+class StandinServer(ServiceProcess):
+    """A checkout's server, launched through the stand-in (copied into `launcher_dir`)."""
+
+    def __init__(self, checkout: Path, launcher_dir: Path, model_dir: Path, slots: int, new_tokens: int,
+                 device_ms: float) -> None:
+        self.checkout = checkout
+        flags = ["--model-dir", str(model_dir), "--max-batch-size", str(slots), "--max-waiting", str(max(64, slots)),
+                 "--max-new-tokens", str(max(new_tokens, 256)), "--threads", "1"]
+        # `-m gpt2_host_standin`, not `-m service`: the same flags, the stand-ins installed first.
+        super().__init__(flags, cwd=checkout, env={"PYTHONPATH": str(launcher_dir), "STANDIN_DEVICE_MS": str(device_ms)}, module=LAUNCHER)
+
+    def check_standin(self) -> None:
+        """The stand-in really decodes (not the tiny model): its ids step by TOKEN_STRIDE."""
+        body = {"inputs": "the host", "parameters": {"max_new_tokens": 3, "details": True, "ignore_eos": True}}
+        answer = httpx.post(f"{self.url}/generate", json=body, timeout=60).json()
+        ids = [token["id"] for token in answer["details"]["tokens"]]
+        if any((b - a) % TOKEN_RANGE != TOKEN_STRIDE for a, b in zip(ids, ids[1:])):
+            raise RuntimeError(f"{self.checkout}: the server decoded {ids}, not the stand-in's ids: it would time the model")
+
+    def metric(self, name: str) -> float:
+        text = httpx.get(f"{self.url}/metrics", timeout=10).text
+        match = re.search(rf"^{name} ([0-9.e+-]+)$", text, re.MULTILINE)
+        return float(match.group(1)) if match else 0.0
+
+
+@dataclass
+class HostCost:
+    core_us_per_row_step: float
+    core_ms_per_step: float
+    rows_per_step: float
+    http_us_per_token: float
+
+
+async def light_stream(port: int, text: str, new_tokens: int) -> int:
+    """One /generate_stream request over a raw connection; returns the events it received.
+
+    Not httpx (bench_serve's client): with one Python process reading 256 streams, httpx's cost
+    per event made the clients the bottleneck, so requests started late and the batch never
+    filled. Events are counted, not parsed (the server's bytes are what is measured here)."""
+    body = json.dumps({"inputs": text, "parameters": {"max_new_tokens": new_tokens, "ignore_eos": True}}).encode()
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"POST /generate_stream HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                 b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+    head = await reader.read(1 << 16)
+    if not head.startswith(b"HTTP/1.1 200"):
+        raise RuntimeError(f"/generate_stream: {head[:500]!r}")
+    events, tail, chunk = 0, b"", head
+    while chunk:
+        data = tail + chunk
+        events += data.count(b"data:")
+        tail = data[-4:]  # a "data:" cut by the read; too short to hold a whole one counted already
+        chunk = await reader.read(1 << 16)
+    writer.close()
+    return events
+
+
+async def drive_light(port: int, texts: list[str], streams: int, per_stream: int, new_tokens: int) -> int:
+    async def stream(index: int) -> int:
+        return sum([await light_stream(port, texts[(index + r * streams) % len(texts)], new_tokens)
+                    for r in range(per_stream)])
+
+    return sum(await asyncio.gather(*(stream(i) for i in range(streams))))
+
+
+def measure(server: StandinServer, texts: list[str], streams: int, per_stream: int, new_tokens: int) -> HostCost:
+    core_pid = engine_core_pid(server.process.pid)
+    steps_before, rows_before = server.metric("gpt2_batch_size_count"), server.metric("gpt2_batch_size_sum")
+    core_before, http_before = cpu_seconds(core_pid), cpu_seconds(server.process.pid)
+    tokens = asyncio.run(drive_light(server.port, texts, streams, per_stream, new_tokens))
+    core_cpu, http_cpu = cpu_seconds(core_pid) - core_before, cpu_seconds(server.process.pid) - http_before
+    steps = server.metric("gpt2_batch_size_count") - steps_before
+    rows = server.metric("gpt2_batch_size_sum") - rows_before
+    return HostCost(core_cpu / max(rows, 1) * 1e6, core_cpu / max(steps, 1) * 1e3, rows / max(steps, 1),
+                    http_cpu / max(tokens, 1) * 1e6)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--streams", type=int, nargs="+", default=[1, 64, 256])
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--requests-per-stream", type=int, default=2, help="at least; 1 stream runs enough for 2,048 tokens")
+    parser.add_argument("--device-ms", type=float, default=2.0,
+                        help="the stand-in device's time per step (a sleep: no host CPU; it paces the steps)")
+    parser.add_argument("--rounds", type=int, default=2, help="each checkout's measurements, alternating")
+    parser.add_argument("--against", type=Path, default=None, metavar="CHECKOUT",
+                        help="another checkout (git worktree) of the code: its server runs beside this one's")
+    add_smoke_argument(parser)
+    args = parser.parse_args(argv)
+    args.min_tokens = MIN_TOKENS
+    if args.smoke:
+        args.streams, args.new_tokens, args.requests_per_stream, args.rounds, args.device_ms = [1, 4], 4, 1, 1, 0.0
+        args.min_tokens = 0
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    here = Path(__file__).resolve().parent.parent
+    checkouts = {"new": here} | ({"old": args.against.resolve()} if args.against else {})
+    print(describe_machine(), flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        launcher_dir = Path(tmp) / "launcher"
+        launcher_dir.mkdir()
+        shutil.copy(here / "bench" / "host_standin.py", launcher_dir / f"{LAUNCHER}.py")
+        model_dir = write_random_model(Path(tmp) / "tiny", TINY)
+        texts = prompt_texts(max(max(args.streams), 17), 8)
+        servers = {name: StandinServer(path, launcher_dir, model_dir, max(args.streams), args.new_tokens,
+                                     args.device_ms)
+                   for name, path in checkouts.items()}
+        costs: dict[tuple[str, int], list[HostCost]] = {}
+        try:
+            for server in servers.values():
+                server.wait_ready()
+                server.check_standin()
+                asyncio.run(drive_light(server.port, texts, 2, 1, 4))  # first-request costs are not per token
+            for round_ in range(args.rounds):
+                order = list(servers) if round_ % 2 == 0 else list(reversed(servers))
+                for streams in args.streams:
+                    for name in order:
+                        per_stream = max(args.requests_per_stream, -(-args.min_tokens // (streams * args.new_tokens)))
+                        cost = measure(servers[name], texts, streams, per_stream, args.new_tokens)
+                        costs.setdefault((name, streams), []).append(cost)
+                        print(f"round {round_} {name:3s} {streams:4d} streams: core {cost.core_us_per_row_step:6.1f} µs/row-step,"
+                              f" {cost.core_ms_per_step:6.2f} ms/step, {cost.rows_per_step:5.1f} rows/step;"
+                              f" HTTP {cost.http_us_per_token:6.1f} µs/token", flush=True)
+        finally:
+            for server in servers.values():
+                server.stop()
+    print_summary(costs, checkouts, args.streams)
+
+
+def print_summary(costs: dict[tuple[str, int], list[HostCost]], checkouts: dict[str, Path], streams: list[int]) -> None:
+    print(f"\nmedians over rounds ({', '.join(f'{n}: {p}' for n, p in checkouts.items())})")
+    print(f"{'streams':>7s} {'checkout':>8s} {'core µs/row-step':>17s} {'core ms/step':>13s} {'rows/step':>10s} {'HTTP µs/token':>14s}")
+    for count in streams:
+        for name in checkouts:
+            runs = costs.get((name, count), [])
+            if not runs:
+                continue
+            med = lambda field: statistics.median(getattr(c, field) for c in runs)  # noqa: E731
+            print(f"{count:7d} {name:>8s} {med('core_us_per_row_step'):17.1f} {med('core_ms_per_step'):13.2f}"
+                  f" {med('rows_per_step'):10.1f} {med('http_us_per_token'):14.1f}")
+        if "old" in checkouts and costs.get(("old", count)):
+            ratio = lambda field: (statistics.median(getattr(c, field) for c in costs[("new", count)])  # noqa: E731
+                                   / max(statistics.median(getattr(c, field) for c in costs[("old", count)]), 1e-9))
+            print(f"{count:7d} {'new/old':>8s} {ratio('core_us_per_row_step'):16.2f}x {ratio('core_ms_per_step'):12.2f}x"
+                  f" {'':>10s} {ratio('http_us_per_token'):13.2f}x")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

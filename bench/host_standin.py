@@ -1,0 +1,78 @@
+"""A server whose device work is taken out: the real `python -m service` with the model's forward
+and the sampler's draw replaced by stand-ins of negligible cost (bench/bench_host.py runs it).
+
+    python -m bench.host_standin SERVICE_FLAGS...
+
+What is replaced, in the engine core process only:
+- the model's forwards (`GPT2.forward`, `GPT2.forward_packed`) and its LM head: they return zeros
+  one column wide ([B, 1] logits: no vocabulary-wide tensor is made, gathered or copied);
+- `choose_tokens` (model/sampling.py, as the core calls it): a token id made from each row's
+  counter (varied ids, never EOS: the HTTP side detokenizes real text), log-probability 0, after
+  a sleep of $STANDIN_DEVICE_MS (default 2 ms, about an H200's step at 256 rows): the device's
+  time, which takes no host CPU but paces the steps as a device would, so streams overlap and
+  the batch fills (without it a request's tokens are done before the next client has sent one).
+What is not: everything else the core and the HTTP processes do per step (scheduling, the
+index tensors and per-slot parameter tables, the device→host copy of a step's [B, 2] result,
+postprocessing, IPC, detokenization, SSE). So its time is the host's share of a served step.
+Left out with the device work: the kernels' launches (on a GPU each is a few µs of host time,
+which CUDA graphs fold into one), any wait for the device, and every cost proportional to the
+vocabulary (the logits gather, top-k alternatives, penalties' [B, V] masks).
+
+The stand-in is installed when this file is imported as the main module, which multiprocessing's
+spawn also does in every child (as `__mp_main__`): that is how it reaches the engine core. It
+needs only `service`, `model` and `torch`, so bench_host.py copies it next to another checkout
+and runs that checkout's server through it (the before of a before-and-after).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+import service.engine.core as engine_core
+import service.engine.process as engine_process
+from model.gpt2 import ForwardOutput
+
+# Spreads consecutive counters over the vocabulary (ids below 50,000: plain BPE tokens, no EOS).
+TOKEN_STRIDE = 7919
+TOKEN_RANGE = 50_000
+DEVICE_SECONDS = float(os.environ.get("STANDIN_DEVICE_MS", "2")) / 1e3
+
+
+def standin_forward(input_ids: torch.Tensor, *args, **kwargs) -> ForwardOutput:
+    return ForwardOutput(logits=torch.zeros(input_ids.shape[0], input_ids.shape[1], 1))  # [B, T, 1]
+
+
+def standin_forward_packed(input_ids: torch.Tensor, *args, **kwargs) -> ForwardOutput:
+    return ForwardOutput(logits=None, head_input=torch.zeros(input_ids.shape[0], 1))  # [N, 1]
+
+
+def standin_choose_tokens(logits: torch.Tensor, params, counter: torch.Tensor, seen=None):
+    time.sleep(DEVICE_SECONDS)
+    tokens = (counter * TOKEN_STRIDE) % TOKEN_RANGE  # [B]
+    return tokens, torch.zeros(tokens.shape[0])
+
+
+def install(core) -> None:
+    core.model.forward = standin_forward
+    core.model.forward_packed = standin_forward_packed
+    core.model.lm_head = lambda x: x  # forward_from's head over [N, 1] zeros
+
+
+def _build_core_with_standin(config):
+    core = _build_core(config)
+    install(core)
+    return core
+
+
+if __name__ in ("__main__", "__mp_main__"):
+    engine_core.choose_tokens = standin_choose_tokens
+    _build_core = engine_process.build_core
+    engine_process.build_core = _build_core_with_standin
+
+if __name__ == "__main__":
+    from service.__main__ import main
+
+    main()
