@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from model.gpt2 import GPT2
 from service.engine.core import EngineConfig, EngineCore
+from service.engine.grammar import Grammars
 from service.engine.types import FinishedRequest, GenerationRequest, RequestFailed, StepStats, TokenEvent
 from service.http.outputs import OutputProcessor
 from weights.tokenizer import GPT2Tokenizer
@@ -39,7 +40,8 @@ class Engine:
         config: EngineConfig = EngineConfig(),
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.core = EngineCore(model, tokenizer.eos_token_id, config, clock)
+        grammars = Grammars.for_tokenizer(tokenizer, model.config.vocab_size)
+        self.core = EngineCore(model, tokenizer.eos_token_id, config, clock, grammars)
         self.outputs = OutputProcessor(tokenizer, clock)
 
     @property

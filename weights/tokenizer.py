@@ -23,6 +23,10 @@ class GPT2Tokenizer:
         self.eos_token_id = eos
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
 
+    def to_json(self) -> str:
+        """The tokenizer as tokenizer.json holds it (what llguidance reads, service/engine/grammar.py)."""
+        return self._tok.to_str()
+
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "GPT2Tokenizer":
         model_dir = Path(model_dir)

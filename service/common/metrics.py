@@ -33,6 +33,7 @@ OUTCOMES: tuple[Outcome, ...] = ("success", "validation", "overloaded", "cancell
 # Bounded sets of buckets: latencies from a token on a fast GPU (ms) to a long CPU request (min).
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
+GRAMMAR_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
 # Routes that are not work for the model: scraping and probes would drown the request rate.
@@ -71,6 +72,16 @@ class Metrics:
             "Time between consecutive tokens of one sequence",
             buckets=TOKEN_LATENCY_BUCKETS,
             registry=r,
+        )
+        self.constrained_requests = Counter(
+            "gpt2_constrained_requests", "Requests with structured output, by grammar kind", ["kind"], registry=r
+        )
+        self.grammar_check_seconds = Histogram(
+            "gpt2_grammar_compile_seconds", "Compiling a request's grammar to check it (cache misses only)",
+            buckets=GRAMMAR_BUCKETS, registry=r,
+        )
+        self.grammar_cache_hits = Counter(
+            "gpt2_grammar_cache_hits", "Grammars found compiled already (checked before, same content)", registry=r
         )
         self.queue_duration = Histogram(
             "gpt2_queue_duration_seconds", "Arrival to first scheduled step", buckets=LATENCY_BUCKETS, registry=r

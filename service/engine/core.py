@@ -28,6 +28,7 @@ from model.sampling import choose_tokens
 from model.scoring import top_alternatives
 from service.engine.beams import advance_beams, beam_results, start_beam_search
 from service.engine.forward import forward_from
+from service.engine.grammar import Grammars
 from service.engine.graphs import StaticDecode
 from service.engine.prompt_scores import add_prompt_scores
 from service.engine.scheduler import BY_SLOT, PrefillChunk, RequestState, Scheduler, Sequence, StepPlan
@@ -122,8 +123,12 @@ class EngineCore:
         eos_token_id: int,
         config: EngineConfig = EngineConfig(),
         clock: Callable[[], float] = time.monotonic,
+        grammars: Grammars | None = None,
     ) -> None:
+        """`grammars`: the grammar engine over the model's tokenizer; None refuses constrained
+        requests."""
         self.model = model.eval()
+        self.grammars = grammars
         self.eos_token_id = eos_token_id
         self.config = config
         self.device = model.device
@@ -142,6 +147,10 @@ class EngineCore:
     # --- entry points -------------------------------------------------------------------------
     def submit(self, requests: list[GenerationRequest]) -> None:
         """Queue requests to be prefilled together. Raises ValueError, QueueFull, EngineStopped."""
+        for grammar in {r.params.grammar for r in requests} - {None}:
+            if self.grammars is None:
+                raise ValueError("this engine has no grammar engine: constrained decoding is off")
+            self.grammars.compile(grammar)  # refused here, alone, rather than failing a step
         self.scheduler.submit(requests)
 
     def cancel(self, request_id: str) -> None:
@@ -232,7 +241,10 @@ class EngineCore:
                 self.slot_params.write(slot, params, prompt, seed)
                 self.slot_controls.write(slot, params, prompt)
             drafter = new_drafter(self.config.speculative, params)
-            sequences.append(Sequence(index, slot, list(prompt), len(prompt), drafter=drafter))
+            # Compiled (or copied from the cache) here, at admission: llguidance takes ~2 ms for
+            # a 10-20 property schema (docs/structured-output.md).
+            matcher = self.grammars.matcher(params.grammar) if params.grammar is not None else None
+            sequences.append(Sequence(index, slot, list(prompt), len(prompt), drafter=drafter, matcher=matcher))
         return sequences
 
     def _move(self, src: int, dst: int, length: int, swap: bool) -> None:
@@ -351,6 +363,12 @@ class EngineCore:
         params.controls = self.slot_controls.gather(read, rows.sample_counters, requested)
         seen = self.slot_params.seen(read) if params.any_penalty else None
         step_logits = logits if rows.in_slot_order else logits[rows.sample_rows]  # [B, V]
+        if any(p.grammar is not None for p in requested):
+            # The grammar's forbidden tokens at -inf before anything reads the logits: the
+            # sampler, the log-probabilities and the alternatives see the constrained
+            # distribution. Unconstrained rows are untouched (their values, their bits).
+            banned = self.grammars.banned([seq.matcher for _, seq in rows.sampled], step_logits.device)
+            step_logits = step_logits.masked_fill(banned, float("-inf"))
         tokens, logprobs = choose_tokens(step_logits, params, rows.sample_counters, seen)  # [B], [B]
         if params.any_penalty:
             self.slot_params.mark_seen(slots, tokens)
@@ -405,8 +423,12 @@ class EngineCore:
         seq.token_ids.append(token)
         seq.cached = len(seq.token_ids) - 1  # the forward that chose it wrote every earlier token
         params = state.request.params
+        if seq.matcher is not None:
+            seq.matcher.consume_token(token)
         if (token == self.eos_token_id and not params.ignore_eos) or token in params.stop_token_ids:
             reason = "eos_token"
+        elif seq.matcher is not None and seq.matcher.is_stopped():
+            reason = "eos_token"  # the grammar is complete and allows nothing more: EOS is all it could add
         elif len(seq.token_ids) - seq.prompt_length >= params.max_new_tokens:
             reason = "length"
         else:

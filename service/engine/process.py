@@ -25,6 +25,7 @@ import zmq
 from model.config import DTYPES
 from model.quantized import QUANTIZE_METHODS, int8_weight_levels
 from service.engine.core import EngineConfig, EngineCore
+from service.engine.grammar import Grammars
 from service.engine.protocol import (
     AbortRequests,
     AddRequests,
@@ -38,6 +39,7 @@ from service.engine.protocol import (
 )
 from service.engine.routing import Owners
 from service.engine.types import CoreStep, EngineStopped, QueueFull, RequestFailed, StepStats
+from weights.tokenizer import GPT2Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +103,8 @@ def build_core(config: CoreProcessConfig) -> EngineCore:
         detail = f", weights on +-{int8_weight_levels()} levels" if config.quantize == "int8" else ""
         log.info("serving %s weights: %.1f MB, %.1f%% of %s's %.1f MB%s. %s", config.quantize, served / 1e6,
                  100 * served / float_bytes, config.dtype, float_bytes / 1e6, detail, QUANTIZE_METHODS[config.quantize])
-    return EngineCore(model, config.eos_token_id, config.engine)
+    grammars = Grammars.for_tokenizer(GPT2Tokenizer.from_dir(config.model_dir), model.config.vocab_size)
+    return EngineCore(model, config.eos_token_id, config.engine, grammars=grammars)
 
 
 class CoreLoop:

@@ -50,6 +50,7 @@ class Sequence:
     drafter: NgramIndex | None = None  # speculative decoding's n-gram index of token_ids
     draft: list[int] = field(default_factory=list)  # this step's drafted tokens
     acceptance: DraftAcceptance = field(default_factory=DraftAcceptance)  # how its drafts fared
+    matcher: object | None = None  # its grammar's llguidance.LLMatcher, when constrained
 
     @property
     def generated(self) -> list[int]:

@@ -33,6 +33,7 @@ def speculates(params: SamplingParams) -> bool:
         and params.frequency_penalty == 0.0
         and params.no_repeat_ngram_size == 0
         and not params.bad_words_ids
+        and params.grammar is None  # a draft would need checking against the grammar first
     )
 
 

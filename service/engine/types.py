@@ -61,6 +61,9 @@ class SamplingParams:
     no_repeat_ngram_size: int = 0  # 0: off
     bad_words_ids: tuple[tuple[int, ...], ...] = ()
     speculate: bool = True  # draft from n-grams when the server speculates (service/engine/speculation.py)
+    # Constrained decoding: llguidance's grammar text (service/engine/grammar.py), built by the
+    # HTTP side from a JSON schema, regex, choice or Lark grammar; None: unconstrained.
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
         # One token id named twice keeps its last value, as transformers' sequence_bias and a JSON
@@ -76,7 +79,7 @@ class SamplingParams:
         pass, and the many per-stage questions only for the rows that are not plain."""
         return not (self.do_sample or self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
                     or self.frequency_penalty != 0.0 or self.logit_bias or self.min_new_tokens > 0
-                    or self.no_repeat_ngram_size > 0 or self.bad_words_ids)
+                    or self.no_repeat_ngram_size > 0 or self.bad_words_ids or self.grammar is not None)
 
 
 # A token's most likely alternatives, most likely first: (token id, log-probability).

@@ -47,8 +47,26 @@ def validate_request(request: GenerationRequest, max_len: int, max_slots: int) -
         raise ValueError("stop strings are not supported with beam search")
     if not math.isfinite(p.length_penalty) or p.early_stopping not in (True, False, "never"):
         raise ValueError("length_penalty must be finite; early_stopping true, false or 'never'")
+    if p.grammar is not None:
+        check_grammar_combination(p)
     if slots_needed(p) > max_slots:
         raise ValueError(
             f"the request needs {slots_needed(p)} sequences at once; the engine has "
             f"{max_slots} slots"
         )
+
+
+def check_grammar_combination(p: SamplingParams) -> None:
+    """What a grammar cannot be combined with: beam search (its candidates are not masked), and
+    the controls that ban tokens by themselves, which could ban every token the grammar allows
+    at a step (min_new_tokens bans the EOS that may be the only one) or end the text where the
+    grammar does not (ignore_eos, stop_token_ids)."""
+    if p.num_beams > 1:
+        raise ValueError("a grammar cannot be combined with beam search (num_beams > 1): use greedy or sampling")
+    clashing = [name for name, used in (
+        ("ignore_eos", p.ignore_eos), ("min_new_tokens", p.min_new_tokens > 0), ("stop_token_ids", bool(p.stop_token_ids)),
+        ("no_repeat_ngram_size", p.no_repeat_ngram_size > 0), ("bad_words_ids", bool(p.bad_words_ids)),
+    ) if used]
+    if clashing:
+        raise ValueError(f"a grammar cannot be combined with {', '.join(clashing)}: the grammar decides which tokens"
+                         " may come and where the text ends")

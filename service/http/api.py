@@ -11,15 +11,16 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from model.quantized import QUANTIZE_METHODS
 from service.common.errors import error_response
+from service.http.grammar import KINDS as GRAMMAR_KINDS
 from service.http.schemas import Info
 from service.http.state import service_state
 
 router = APIRouter(tags=["Service"])
 
 
-def package_version() -> str:
+def package_version(package: str = "gpt2-serve") -> str:
     try:
-        return version("gpt2-serve")
+        return version(package)
     except PackageNotFoundError:
         return "unknown"
 
@@ -77,6 +78,7 @@ async def info(request: Request) -> dict:
             "tokens": settings.speculative_tokens,
             "weight_pass_rows": settings.weight_pass_rows,
         },
+        "grammar": {"engine": f"llguidance {package_version('llguidance')}", "kinds": list(GRAMMAR_KINDS)},
         "version": package_version(),
     }
 

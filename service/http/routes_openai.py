@@ -105,7 +105,7 @@ async def admit(state: ServiceState, body: CompletionRequest) -> Call:
     limits = state.limits
     if body.model != state.settings.model_name:
         raise validation_error(f"model {body.model!r} is not served here; this server serves {state.settings.model_name!r}")
-    params = openai_sampling(body, limits)
+    params = openai_sampling(body, limits, state.grammars)
     entries = body.prompt_list
     check_count("the number of prompts", len(entries), limits.max_prompts)
     # The schema admits all strings or all token-id lists, never a mix.

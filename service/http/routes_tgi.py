@@ -82,7 +82,7 @@ async def compat_generate(body: TGIRequest, request: Request) -> Response:
 
 async def admit(state: ServiceState, body: TGIRequest) -> tuple[list[Prompt], list[GenerationRequest]]:
     limits = state.limits
-    params = tgi_sampling(body.parameters, limits)
+    params = tgi_sampling(body.parameters, limits, state.grammars)
     check_count("the number of prompts in inputs", len(body.prompts), limits.max_prompts)
     prompts = await tokenize_off_loop(state.tokenizer, body.prompts, body.parameters.truncate)
     check_lengths(prompts, params.max_new_tokens, limits)

@@ -75,6 +75,13 @@ def check_prompts(field: str, prompts: list[str] | list[list[int]]) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
+class TGIGrammar(StrictRequest):
+    """TGI's grammar: a JSON schema (an object, or its JSON text) or a regular expression."""
+
+    type: Literal["json", "regex"]
+    value: dict | str = Field(..., description="json: the schema; regex: the expression")
+
+
 class TGIParameters(StrictRequest):
     best_of: int | None = Field(None, ge=1, le=64, description="sample this many, return the most likely")
     decoder_input_details: bool = Field(False, description="return the prompt tokens with their logprobs")
@@ -94,7 +101,7 @@ class TGIParameters(StrictRequest):
     # Known to TGI but not computed here: accepted only at their neutral value.
     watermark: bool = False
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    grammar: dict | None = None
+    grammar: TGIGrammar | None = Field(None, description="constrain the output to a JSON schema or a regex")
     adapter_id: str | None = Field(None, max_length=200)
     # Extensions beyond TGI, with transformers' meanings.
     num_beams: int = Field(1, ge=1, le=64)
@@ -113,7 +120,7 @@ class TGIParameters(StrictRequest):
     def _consistent(self) -> "TGIParameters":
         check_temperature(self.temperature, greedy_zero=False)
         for name, neutral in (("watermark", (False,)), ("frequency_penalty", (None, 0.0)),
-                              ("grammar", (None,)), ("adapter_id", (None,))):
+                              ("adapter_id", (None,))):
             if getattr(self, name) not in neutral:
                 raise ValueError(f"{name} is not supported by this server")
         if any(not s for s in self.stop):
@@ -232,6 +239,42 @@ class StreamOptions(StrictRequest):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(StrictRequest):
+    name: str = Field("response", max_length=200)
+    description: str | None = Field(None, max_length=10_000)
+    schema_: dict | None = Field(None, alias="schema", description="the JSON schema; none: any JSON object")
+    strict: bool | None = None
+
+
+class ResponseFormat(StrictRequest):
+    """OpenAI's response_format: text (unconstrained), any JSON object, or one JSON schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> "ResponseFormat":
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("response_format: json_schema is given with type json_schema, and only then")
+        return self
+
+
+class StructuredOutputs(StrictRequest):
+    """vLLM's structured_outputs: exactly one of a JSON schema, a regex, choices or a grammar."""
+
+    json_: dict | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = Field(None, max_length=1024)
+    grammar: str | None = Field(None, description="Lark (llguidance's syntax) or GBNF (llama.cpp's)")
+
+    @model_validator(mode="after")
+    def _one(self) -> "StructuredOutputs":
+        given = [name for name in ("json_", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        if len(given) != 1:
+            raise ValueError("structured_outputs: exactly one of json, regex, choice, grammar")
+        return self
+
+
 class CompletionRequest(StrictRequest):
     model: str = Field(..., max_length=200)
     prompt: Text | list[Text] | list[int] | list[list[int]] = Field(..., description="text(s) or token ids")
@@ -265,6 +308,8 @@ class CompletionRequest(StrictRequest):
     no_repeat_ngram_size: int = Field(0, ge=0, le=MAX_NGRAM)
     bad_words_ids: list[list[int]] | None = Field(None, max_length=MAX_BAD_WORDS)
     speculate: bool = Field(True, description="false: no n-gram drafts for this request (when the server speculates)")
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     @model_validator(mode="after")
     def _consistent(self) -> "CompletionRequest":
@@ -285,6 +330,8 @@ class CompletionRequest(StrictRequest):
         if self.stream and (self.best_of or self.n) > self.n:
             raise ValueError("best_of > n cannot be streamed")
         check_prompts("prompt", self.prompt_list)
+        if self.structured_outputs is not None and self.response_format not in (None, ResponseFormat(type="text")):
+            raise ValueError("give response_format or structured_outputs, not both")
         return self
 
     @property
@@ -392,6 +439,7 @@ class Info(BaseModel):
     kv_cache: dict = Field(description="slots used and total right now, and whether prompts reuse cached prefixes")
     max_prefill_tokens_per_step: int = Field(description="prompt tokens one engine step prefills; longer prompts go in chunks")
     speculative_decoding: dict = Field(description="n-gram drafts: method (null: off), n-gram sizes, the most tokens drafted per step, rows per weight pass (how drafts are priced)")
+    grammar: dict = Field(description="constrained decoding: the grammar engine and the kinds of grammar served (json, regex, choice, grammar)")
     version: str
 
     model_config = ConfigDict(protected_namespaces=())

@@ -11,6 +11,7 @@ from service.common.state import SharedState
 from service.http.admission import Limits
 from service.http.client import EngineClient
 from service.http.generation import Generations
+from service.http.grammar import GrammarChecker
 
 
 @dataclass
@@ -20,11 +21,15 @@ class ServiceState(SharedState):
     generations: Generations | None = None  # the HTTP side of a generation
     serving: bool = False  # the lifespan has started the engine core
     parameters: int = 0  # the served model's, counted from its config (/info)
+    grammars: GrammarChecker | None = None  # compiles a request's grammar once, to refuse bad ones
 
     def __post_init__(self) -> None:
+        config = self.config
         if self.limits is None:
-            config = self.config
             self.limits = Limits.from_settings(self.settings, config.n_positions, config.vocab_size)
+        if self.grammars is None:
+            self.grammars = GrammarChecker(self.tokenizer.to_json(), config.vocab_size, self.tokenizer.eos_token_id,
+                                           self.metrics)
 
 
 def service_state(request: Request) -> ServiceState:

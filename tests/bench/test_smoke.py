@@ -121,6 +121,14 @@ def test_bench_http_cpu(tiny_model_dir):
     assert_columns(out, "round 0: HTTP CPU ms per token, old", "new / old: median")
 
 
+def test_grammar_engines_measures_the_served_engine():
+    # The other candidates are the benchmark's own optional installs: a fresh venv has llguidance only.
+    out = run_bench("grammar_engines", "--smoke", "--engines", "llguidance")
+    assert_columns(out, "compile ms cold", "cached ms", "mask µs/row @1", "all accepted")
+    row = next(line for line in out.splitlines() if line.startswith("llguidance"))
+    assert " yes " in row, row  # every instance's tokens were allowed and accepted to the end
+
+
 def test_bench_host_times_the_standin_server_of_two_checkouts():
     # --against this very checkout: the old side runs through the launcher copied beside it, as
     # a worktree's would. bench_host checks each server decodes the stand-in's ids (else exit 1).

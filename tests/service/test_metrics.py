@@ -29,6 +29,9 @@ FAMILIES = {
     "gpt2_batch_size": "histogram",
     "gpt2_kv_cache_usage_ratio": "gauge",
     "gpt2_analysis_duration_seconds": "histogram",
+    "gpt2_constrained_requests": "counter",
+    "gpt2_grammar_compile_seconds": "histogram",
+    "gpt2_grammar_cache_hits": "counter",
     "gpt2_model_info": "gauge",  # Info, as the text format exposes it
 }
 
