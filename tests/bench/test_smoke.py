@@ -129,6 +129,12 @@ def test_grammar_engines_measures_the_served_engine():
     assert " yes " in row, row  # every instance's tokens were allowed and accepted to the end
 
 
+def test_bench_structured_finds_every_finished_answer_valid(tiny_model_dir):
+    out = run_bench("bench_structured", "--smoke", "--model-dir", tiny_model_dir, "--threads", 1)
+    assert_columns(out, "ended by the grammar", "cut by max_new_tokens", "constrained tok/s", "TTFT p50 ms constrained")
+    assert "invalid 0" in out, out
+
+
 def test_bench_host_times_the_standin_server_of_two_checkouts():
     # --against this very checkout: the old side runs through the launcher copied beside it, as
     # a worktree's would. bench_host checks each server decodes the stand-in's ids (else exit 1).
