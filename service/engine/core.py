@@ -15,6 +15,7 @@ test drives `step()` directly (or through service/inprocess.py, with text).
 from __future__ import annotations
 
 import logging
+import math
 import secrets
 import time
 from collections.abc import Callable
@@ -444,7 +445,9 @@ class EngineCore:
 
 
 def alternatives(row: list[float], n: int, wanted: int) -> TopLogprobs | None:
-    """A host row [token, logprob, n ids, n logprobs] → the first `wanted` alternatives."""
+    """A host row [token, logprob, n ids, n logprobs] → the first `wanted` alternatives; none a
+    grammar forbids (-inf: a constrained row may allow fewer tokens than were asked for)."""
     if not wanted:
         return None
-    return list(zip(map(int, row[2 : 2 + wanted]), row[2 + n : 2 + n + wanted]))
+    pairs = zip(map(int, row[2 : 2 + wanted]), row[2 + n : 2 + n + wanted])
+    return [(token, logprob) for token, logprob in pairs if logprob != -math.inf]

@@ -3,6 +3,7 @@ person does with it, checked against what the API answers for the same request."
 
 from __future__ import annotations
 
+import json
 import math
 
 import httpx
@@ -147,6 +148,26 @@ def test_bad_parameter_shows_the_servers_422(browser, server) -> None:
     assert error.get_attribute("role") == "alert"
     assert token_spans(browser) == []
     browser.find_element(By.ID, "p-temperature").clear()
+    assert console_errors(browser, allowed_statuses=(422,)) == []
+
+
+def test_a_json_schema_makes_the_answer_parse(browser, server) -> None:
+    open_page(browser, server)
+    schema = '{"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}, "n": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["answer", "n"], "additionalProperties": false}'
+    fill(browser, "prompt", PROMPT)
+    fill(browser, "p-max_new_tokens", "40")
+    fill(browser, "p-grammar", schema)
+    browser.find_element(By.ID, "generate").click()
+    wait_for(browser, lambda d: "finished by" in status(d))
+    shown = browser.execute_script("return [...document.querySelectorAll('#output .tok')].map(s => s.textContent).join('');")
+    answer = json.loads(shown)
+    assert answer["answer"] in ("yes", "no") and 0 <= answer["n"] <= 9 and set(answer) == {"answer", "n"}
+    fill(browser, "p-grammar", "{not json")
+    browser.find_element(By.ID, "generate").click()
+    error = browser.find_element(By.ID, "generate-error")
+    wait_for(browser, lambda d: error.is_displayed())
+    assert "not JSON" in error.text
+    browser.find_element(By.ID, "p-grammar").clear()
     assert console_errors(browser, allowed_statuses=(422,)) == []
 
 

@@ -32,6 +32,23 @@ def test_tgi_json_grammar_gives_valid_json(client, value):
         jsonschema.validate(json.loads(body["generated_text"]), SCHEMA)
 
 
+def test_alternatives_are_the_tokens_the_grammar_allows(client, tokenizer):
+    # Where the grammar allows one or two tokens, fewer alternatives than asked come back: none
+    # with the -inf a forbidden token has (which JSON cannot even carry).
+    response = tgi(client, {"type": "json", "value": SCHEMA}, top_n_tokens=3, decoder_input_details=False)
+    assert response.status_code == 200, response.text
+    details = response.json()["details"]
+    assert all(len(top) >= 1 for top in details["top_tokens"])
+    assert any(len(top) < 3 for top in details["top_tokens"])  # `{"` and `answer` are forced
+    for token, top in zip(details["tokens"], details["top_tokens"]):
+        assert all(alt["logprob"] > -1e30 for alt in top)
+        assert token["id"] in {alt["id"] for alt in top} or token["logprob"] <= min(alt["logprob"] for alt in top)
+    with client.stream("POST", "/generate_stream", json={"inputs": "Q:", "parameters": {
+            "max_new_tokens": 40, "top_n_tokens": 3, "grammar": {"type": "json", "value": SCHEMA}}}) as stream:
+        events = [json.loads(line[5:]) for line in stream.iter_lines() if line.startswith("data:")]
+    jsonschema.validate(json.loads(events[-1]["generated_text"]), SCHEMA)
+
+
 def test_tgi_regex_grammar_matches(client):
     response = tgi(client, {"type": "regex", "value": r"[A-Z][a-z]{2,5}\."}, do_sample=True, seed=3)
     assert response.status_code == 200, response.text

@@ -74,6 +74,9 @@ function readParameters() {
   }
   const stop = $("p-stop").value.split("\n").filter((line) => line !== "");
   if (stop.length) parameters.stop = stop;
+  // Sent as the text typed: the server parses it and says what is wrong (a 422, shown as any other).
+  const schema = $("p-grammar").value.trim();
+  if (schema) parameters.grammar = { type: "json", value: schema };
   if ($("p-do_sample").checked) parameters.do_sample = true;
   if ((parameters.num_beams ?? 1) > 1) delete parameters.top_n_tokens; // the server refuses alternatives with beams
   return parameters;
