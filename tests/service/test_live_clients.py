@@ -6,12 +6,14 @@ huggingface_hub's InferenceClient (TGI's client) and the `openai` client talk to
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 from pathlib import Path
 
 import httpx
 import huggingface_hub.constants
+import jsonschema
 import pytest
 from huggingface_hub import InferenceClient
 from openai import OpenAI
@@ -43,6 +45,14 @@ def hf(server, monkeypatch):
 def oai(server, monkeypatch):
     forbid_network(monkeypatch)
     return OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def test_hf_text_generation_sends_its_grammar_unchanged(hf):
+    schema = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}}, "required": ["answer"],
+              "additionalProperties": False}
+    text = hf.text_generation(PROMPT, max_new_tokens=20, grammar={"type": "json", "value": schema})
+    jsonschema.validate(json.loads(text), schema)
+    assert hf.text_generation(PROMPT, max_new_tokens=12, grammar={"type": "regex", "value": "(red|blue)!"}) in ("red!", "blue!")
 
 
 def test_hf_text_generation_plain_details_and_stream(hf, tokenizer):
