@@ -15,6 +15,7 @@ sampling, top-k/top-p and log-probabilities all act on the constrained distribut
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 
 import llguidance
 import torch
@@ -35,13 +36,22 @@ class Grammars:
     @classmethod
     def for_tokenizer(cls, tokenizer: GPT2Tokenizer, vocab_size: int) -> "Grammars":
         """`vocab_size`: the model's (its logits' width, which may exceed the tokenizer's)."""
-        return cls(tokenizer.to_json(), vocab_size, tokenizer.eos_token_id)
+        return cls(tokenizer.to_json, vocab_size, tokenizer.eos_token_id)
 
-    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_id: int) -> None:
+    def __init__(self, tokenizer_json: Callable[[], str], vocab_size: int, eos_token_id: int) -> None:
+        """`tokenizer_json` is called once, when the first grammar is compiled: llguidance's
+        tokenizer takes ~0.2 s to build, which an engine that never sees a grammar never pays."""
         self.vocab_size = vocab_size
-        self.tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=eos_token_id)
+        self._tokenizer_json, self._eos = tokenizer_json, eos_token_id
+        self._tokenizer: llguidance.LLTokenizer | None = None
         self._compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
         self.compiled_count = self.cache_hits = 0
+
+    @property
+    def tokenizer(self) -> llguidance.LLTokenizer:
+        if self._tokenizer is None:
+            self._tokenizer = llguidance.LLTokenizer(self._tokenizer_json(), n_vocab=self.vocab_size, eos_token=self._eos)
+        return self._tokenizer
 
     def matcher(self, grammar: str) -> llguidance.LLMatcher:
         """A fresh matcher for `grammar` (llguidance's grammar text)."""

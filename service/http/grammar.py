@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 
 import llguidance
 
@@ -93,7 +94,8 @@ class GrammarChecker:
     could not run (llguidance's error message, as a 422). Grammars that passed are remembered
     by content (a bounded LRU), so a schema sent again is not compiled again here."""
 
-    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_id: int, metrics: Metrics) -> None:
+    def __init__(self, tokenizer_json: Callable[[], str], vocab_size: int, eos_token_id: int, metrics: Metrics) -> None:
+        """`tokenizer_json` is called at the first grammar checked (see service/engine/grammar.py)."""
         self._tokenizer_json, self._vocab_size, self._eos = tokenizer_json, vocab_size, eos_token_id
         self._tokenizer: llguidance.LLTokenizer | None = None  # built at first use (~0.3 s)
         self._passed: OrderedDict[str, None] = OrderedDict()
@@ -106,7 +108,7 @@ class GrammarChecker:
             self.metrics.grammar_cache_hits.inc()
             return grammar
         if self._tokenizer is None:
-            self._tokenizer = llguidance.LLTokenizer(self._tokenizer_json, n_vocab=self._vocab_size, eos_token=self._eos)
+            self._tokenizer = llguidance.LLTokenizer(self._tokenizer_json(), n_vocab=self._vocab_size, eos_token=self._eos)
         start = time.perf_counter()
         error = llguidance.LLMatcher.validate_grammar(grammar, self._tokenizer)
         self.metrics.grammar_check_seconds.observe(time.perf_counter() - start)

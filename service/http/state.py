@@ -28,7 +28,7 @@ class ServiceState(SharedState):
         if self.limits is None:
             self.limits = Limits.from_settings(self.settings, config.n_positions, config.vocab_size)
         if self.grammars is None:
-            self.grammars = GrammarChecker(self.tokenizer.to_json(), config.vocab_size, self.tokenizer.eos_token_id,
+            self.grammars = GrammarChecker(self.tokenizer.to_json, config.vocab_size, self.tokenizer.eos_token_id,
                                            self.metrics)
 
 
