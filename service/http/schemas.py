@@ -79,7 +79,7 @@ class TGIGrammar(StrictRequest):
     """TGI's grammar: a JSON schema (an object, or its JSON text) or a regular expression."""
 
     type: Literal["json", "regex"]
-    value: dict | str = Field(..., description="json: the schema; regex: the expression")
+    value: dict | Text = Field(..., description="json: the schema; regex: the expression")
 
 
 class TGIParameters(StrictRequest):
@@ -262,10 +262,10 @@ class ResponseFormat(StrictRequest):
 class StructuredOutputs(StrictRequest):
     """vLLM's structured_outputs: exactly one of a JSON schema, a regex, choices or a grammar."""
 
-    json_: dict | str | None = Field(None, alias="json")
-    regex: str | None = None
-    choice: list[str] | None = Field(None, max_length=1024)
-    grammar: str | None = Field(None, description="Lark (llguidance's syntax) or GBNF (llama.cpp's)")
+    json_: dict | Text | None = Field(None, alias="json")
+    regex: Text | None = None
+    choice: list[Text] | None = Field(None, max_length=1024)
+    grammar: Text | None = Field(None, description="Lark (llguidance's syntax) or GBNF (llama.cpp's)")
 
     @model_validator(mode="after")
     def _one(self) -> "StructuredOutputs":
