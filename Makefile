@@ -66,10 +66,10 @@ test: weights system-deps
 # quick subset of the tests run there. CI runs it after `make test`.
 FLOORS_VENV := .venv-floors
 FLOORS_PY   := $(FLOORS_VENV)/bin/python
-FLOORS_TEST_DEPS := pytest httpx transformers openai
+FLOORS_TEST_DEPS := pytest httpx transformers openai jsonschema
 FLOORS_TESTS := tests/service tests/engine/test_engine_greedy.py -m "not slow"
 
-$(FLOORS_VENV)/.installed: pyproject.toml tests/floors.py | install
+$(FLOORS_VENV)/.installed: pyproject.toml tests/floors.py Makefile | install
 	rm -rf $(FLOORS_VENV)
 	$(PYTHON) -m venv $(FLOORS_VENV)
 	$(PY) -m tests.floors $(FLOORS_TEST_DEPS) > $(FLOORS_VENV)/floors.txt
