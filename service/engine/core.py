@@ -360,11 +360,12 @@ class EngineCore:
             return []
         slots, read = rows.sample_slots, rows.read
         requested = [state.request.params for state, _ in rows.sampled]
-        params = self.slot_params.gather(read, requested)
-        params.controls = self.slot_controls.gather(read, rows.sample_counters, requested)
+        special = [p for p in requested if not p.plain]  # the rows that use any optional stage
+        params = self.slot_params.gather(read, special)
+        params.controls = self.slot_controls.gather(read, rows.sample_counters, special)
         seen = self.slot_params.seen(read) if params.any_penalty else None
         step_logits = logits if rows.in_slot_order else logits[rows.sample_rows]  # [B, V]
-        if any(p.grammar is not None for p in requested):
+        if any(p.grammar is not None for p in special):
             # The grammar's forbidden tokens at -inf before anything reads the logits: the
             # sampler, the log-probabilities and the alternatives see the constrained
             # distribution. Unconstrained rows are untouched (their values, their bits).

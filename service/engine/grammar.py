@@ -22,7 +22,8 @@ import torch
 
 from weights.tokenizer import GPT2Tokenizer
 
-# Compiled grammars kept per engine core: a request repeating a schema skips its compilation.
+# Compiled grammars kept (per engine core, and per HTTP process to check requests): a request
+# repeating a schema skips its compilation.
 CACHE_SIZE = 64
 
 
@@ -45,7 +46,6 @@ class Grammars:
         self._tokenizer_json, self._eos = tokenizer_json, eos_token_id
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
-        self.compiled_count = self.cache_hits = 0
 
     @property
     def tokenizer(self) -> llguidance.LLTokenizer:
@@ -68,11 +68,12 @@ class Grammars:
             self._compiled[grammar] = compiled
             if len(self._compiled) > CACHE_SIZE:
                 self._compiled.popitem(last=False)
-            self.compiled_count += 1
         else:
             self._compiled.move_to_end(grammar)
-            self.cache_hits += 1
         return compiled
+
+    def cached(self, grammar: str) -> bool:
+        return grammar in self._compiled
 
     def banned(self, matchers: list[llguidance.LLMatcher | None], device: torch.device) -> torch.Tensor:
         """[B, V] bool on `device`: True where row b's grammar forbids the token (no row of a

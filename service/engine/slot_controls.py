@@ -90,8 +90,8 @@ class SlotControls:
 
     def gather(self, slots: torch.Tensor | slice, counters: torch.Tensor, params: list[SamplingParams]) -> Controls | None:
         """Controls of the rows using `slots` [B] (or a slice of the first B: views) holding
-        `counters` [B] tokens; None if no row has any."""
-        params = [p for p in params if not p.plain]  # a plain row uses no control
+        `counters` [B] tokens; None if no row has any. `params`: those rows' settings, where plain
+        rows (SamplingParams.plain) may be left out (they use no control)."""
         bias, counts, history, min_new = (any(f(p) for p in params) for f in (uses_bias, uses_counts, uses_history, uses_min_new))
         warpers = any(uses_warpers(p) for p in params)
         if not (bias or counts or history or min_new or warpers):

@@ -47,9 +47,9 @@ class SlotParams:
 
     def gather(self, slots: torch.Tensor | slice, params: list[SamplingParams]) -> SamplingTensors:
         """The parameters of rows using `slots` [B] (or slots 0..B-1 as a slice: views, no copy);
-        `params` are the same rows' settings."""
+        `params`: the settings of those rows, where plain rows (SamplingParams.plain) may be left
+        out (they use no flagged stage)."""
         floats = self._floats[slots]  # [B, 4]
-        params = [p for p in params if not p.plain]  # the flags' answers are all False for the others
         return SamplingTensors(
             temperature=floats[:, TEMPERATURE],
             top_k=self._top_k[slots],

@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import json
 import time
-from collections import OrderedDict
-from collections.abc import Callable
 
 import llguidance
 
 from service.common.errors import validation_error
 from service.common.metrics import Metrics
+from service.engine.grammar import Grammars
 from service.http.schemas import CompletionRequest, TGIParameters
 
 MAX_GRAMMAR_CHARS = 64_000  # a schema's JSON, a regex, a grammar or the choices, as sent
@@ -32,7 +31,6 @@ MAX_CHOICES = 256
 # blank space for ever (an untrained one would). A schema's "x-guidance" can say otherwise.
 JSON_DEFAULTS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 KINDS = ("json", "regex", "choice", "grammar")  # what /info lists
-CHECKED_CACHE_SIZE = 256
 
 
 def json_schema_grammar(schema: dict | str | bool, field: str) -> str:
@@ -90,33 +88,25 @@ def depth(value: object, level: int = 0) -> int:
 
 
 class GrammarChecker:
-    """Compiles a request's grammar with the served tokenizer once, to refuse what the core
-    could not run (llguidance's error message, as a 422). Grammars that passed are remembered
-    by content (a bounded LRU), so a schema sent again is not compiled again here."""
+    """Compiles a request's grammar with the served tokenizer (service/engine/grammar.py's
+    Grammars: the engine core's own compiler and cache), to refuse what the core could not run
+    (llguidance's error message, as a 422). A grammar compiled before is a cache hit."""
 
-    def __init__(self, tokenizer_json: Callable[[], str], vocab_size: int, eos_token_id: int, metrics: Metrics) -> None:
-        """`tokenizer_json` is called at the first grammar checked (see service/engine/grammar.py)."""
-        self._tokenizer_json, self._vocab_size, self._eos = tokenizer_json, vocab_size, eos_token_id
-        self._tokenizer: llguidance.LLTokenizer | None = None  # built at first use (~0.3 s)
-        self._passed: OrderedDict[str, None] = OrderedDict()
-        self.metrics = metrics
+    def __init__(self, grammars: Grammars, metrics: Metrics) -> None:
+        self.grammars, self.metrics = grammars, metrics
 
     def check(self, grammar: str, field: str, kind: str) -> str:
         self.metrics.constrained_requests.labels(kind=kind).inc()
-        if grammar in self._passed:
-            self._passed.move_to_end(grammar)
+        if self.grammars.cached(grammar):
             self.metrics.grammar_cache_hits.inc()
             return grammar
-        if self._tokenizer is None:
-            self._tokenizer = llguidance.LLTokenizer(self._tokenizer_json(), n_vocab=self._vocab_size, eos_token=self._eos)
         start = time.perf_counter()
-        error = llguidance.LLMatcher.validate_grammar(grammar, self._tokenizer)
-        self.metrics.grammar_check_seconds.observe(time.perf_counter() - start)
-        if error:
-            raise validation_error(f"{field}: {error}")
-        self._passed[grammar] = None
-        if len(self._passed) > CHECKED_CACHE_SIZE:
-            self._passed.popitem(last=False)
+        try:
+            self.grammars.compile(grammar)
+        except ValueError as exc:
+            raise validation_error(f"{field}: {exc}") from None
+        finally:
+            self.metrics.grammar_check_seconds.observe(time.perf_counter() - start)
         return grammar
 
 

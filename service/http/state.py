@@ -9,6 +9,7 @@ from starlette.requests import Request
 
 from service.common.state import SharedState
 from service.http.admission import Limits
+from service.engine.grammar import Grammars
 from service.http.client import EngineClient
 from service.http.generation import Generations
 from service.http.grammar import GrammarChecker
@@ -28,8 +29,7 @@ class ServiceState(SharedState):
         if self.limits is None:
             self.limits = Limits.from_settings(self.settings, config.n_positions, config.vocab_size)
         if self.grammars is None:
-            self.grammars = GrammarChecker(self.tokenizer.to_json, config.vocab_size, self.tokenizer.eos_token_id,
-                                           self.metrics)
+            self.grammars = GrammarChecker(Grammars.for_tokenizer(self.tokenizer, config.vocab_size), self.metrics)
 
 
 def service_state(request: Request) -> ServiceState:

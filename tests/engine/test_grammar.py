@@ -79,6 +79,9 @@ def test_seeded_constrained_requests_repeat_and_logprobs_are_the_constrained_one
     # The alternatives come from the masked distribution: all of them are tokens the grammar
     # allowed there, so after `{"` (forced) every alternative continues a property name.
     assert all(lp <= 0.0 for lp in first.logprobs)
+    # Where the grammar allows one token (`{"`, a property's name), the constrained distribution
+    # gives it probability 1: log-prob 0, which the raw model's logits never give.
+    assert 0.0 in first.logprobs
     assert all(alt[0][1] >= alt[-1][1] for alt in first.top_logprobs)
 
 
