@@ -17,7 +17,7 @@ endif
 # machine, `make test-cuda TORCH_CPU=torch==2.13.0+cu130` (or any CUDA build) installs that instead.
 TORCH_CPU ?= torch==2.13.0
 
-.PHONY: install system-deps weights serve test test-floors test-cuda gpu-check test-api-servers fuzz-invariance reliability bench-serve ln-experiment llama-cpp gguf bench-llama-cpp clean
+.PHONY: install system-deps weights serve test test-floors test-cuda test-overlap gpu-check test-api-servers fuzz-invariance reliability bench-serve ln-experiment llama-cpp gguf bench-llama-cpp clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -84,6 +84,11 @@ test-floors: weights $(FLOORS_VENV)/.installed
 # model, engine and analysis suites on the GPU, against transformers on the same GPU.
 test-cuda: weights
 	GPT2_TEST_DEVICE=cuda $(PY) -m pytest tests/model tests/engine tests/analysis $(PYTEST_ARGS)
+
+# The whole engine suite with the core's overlap forced on (on a CPU it is off by default; CUDA
+# runs it on). tests/engine/test_overlap.py and the invariance fuzzer check it in `make test` too.
+test-overlap: weights
+	GPT2_TEST_OVERLAP=1 $(PY) -m pytest tests/engine $(PYTEST_ARGS)
 
 # One GPU check (bench/gpu_check.py, docs/performance.md): the CUDA lane, served speed at 1/16/64/256
 # clients against a CUDA-graph anchor, --api-servers 1 vs 4, the spectrum, prefix caching,

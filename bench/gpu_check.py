@@ -10,6 +10,8 @@ the rest; a crash or a timeout is reported in its row, never fatal to the check)
 - anchor: bench/cuda_anchor.py, one greedy decode step as one CUDA graph, tok/s per batch size;
 - serve: the real server over HTTP (bench/bench_serve.py's clients) at each client count, each
   figure also as a ratio to the anchor at the same batch size;
+- overlap: bench/bench_overlap.py, the engine core alone with overlap off and on, and the
+  synchronising CUDA calls left in an overlapped step (with their source lines);
 - api-servers: `--api-servers 1` against `4` at the largest client count: start-up time, tok/s,
   the HTTP processes' idle CPU, whether any HTTP process mapped the CUDA driver, GPU processes;
 - spectrum: /analyze/spectrum at 1,024 tokens over HTTP against the document's recipe;
@@ -65,6 +67,7 @@ PARTS = [
     Part("lane", 130, "the CUDA lane: tests/model, tests/engine, tests/analysis on the device"),
     Part("anchor", 20, "one greedy decode step as one CUDA graph, replayed (bench/cuda_anchor.py)"),
     Part("serve", 60, "streaming clients over HTTP against one server (bench/bench_serve.py)"),
+    Part("overlap", 60, "the engine core alone, overlap off against on, and its synchronising calls per step (bench/bench_overlap.py)"),
     Part("api-servers", 85, "--api-servers 1 against 4 at the largest client count"),
     Part("spectrum", 70, "/analyze/spectrum over HTTP against the document's recipe (bench/bench_spectrum.py)"),
     Part("quantize", 30, "each --quantize mode on this device: served or refused"),
@@ -210,6 +213,11 @@ def bench_script(cfg: Config, part: str, module: str, *argv: str) -> dict:
                 "numbers": json.loads(numbers.read_text()) if numbers.exists() else None}
 
 
+def part_overlap(cfg: Config) -> dict:
+    return bench_script(cfg, "overlap", "bench.bench_overlap", "--batch", *map(str, cfg.clients), "--new-tokens",
+                        str(cfg.new_tokens), "--rounds", "1")
+
+
 def part_spectrum(cfg: Config) -> dict:
     return bench_script(cfg, "spectrum", "bench.bench_spectrum", "--http", "--tokens", str(cfg.spectrum_tokens), "--reps", "3")
 
@@ -249,7 +257,7 @@ def part_quantize(cfg: Config) -> dict:
     return {"rows": rows}
 
 
-RUNNERS = {"lane": part_lane, "anchor": part_anchor, "serve": part_serve, "api-servers": part_api_servers,
+RUNNERS = {"lane": part_lane, "anchor": part_anchor, "serve": part_serve, "overlap": part_overlap, "api-servers": part_api_servers,
            "spectrum": part_spectrum, "prefix": part_prefix, "speculative": part_speculative, "quantize": part_quantize}
 
 

@@ -31,7 +31,7 @@ import time
 
 import torch
 
-import service.engine.core as engine_core
+import service.engine.step_sampler as engine_sampler
 import service.engine.process as engine_process
 from model.gpt2 import ForwardOutput
 
@@ -68,7 +68,7 @@ def _build_core_with_standin(config):
 
 
 if __name__ in ("__main__", "__mp_main__"):
-    engine_core.choose_tokens = standin_choose_tokens
+    engine_sampler.choose_tokens = standin_choose_tokens
     _build_core = engine_process.build_core
     engine_process.build_core = _build_core_with_standin
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from model.config import GPT2Config
+from model.transfer import to_device
 
 
 @dataclass(frozen=True)
@@ -97,7 +98,7 @@ class KVCache:
     def batch(self, slots: list[int], ids: torch.Tensor | None = None) -> SlotBatch:
         """`ids`: the slots as a tensor on the device already (copied there with other inputs)."""
         if ids is None:
-            ids = torch.tensor(slots, dtype=torch.long).to(self.device, non_blocking=True)
+            ids = to_device(slots, self.device)
         consecutive = all(b == a + 1 for a, b in zip(slots, slots[1:]))
         span = slice(slots[0], slots[-1] + 1) if slots and consecutive else None
         return SlotBatch(ids=ids, span=span)
@@ -127,8 +128,7 @@ class KVCache:
         """Make slot dst[i] hold what src[i] holds (beam reordering), on the device."""
         if not src:
             return
-        src_ids = torch.tensor(src, dtype=torch.long, device=self.device)
-        dst_ids = torch.tensor(dst, dtype=torch.long, device=self.device)
+        src_ids, dst_ids = to_device([src, dst], self.device)
         # Indexing on the right copies first, so a permutation among the same slots is safe.
         self.kv[:, :, dst_ids, :, :length] = self.kv[:, :, src_ids, :, :length]
 

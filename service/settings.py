@@ -43,6 +43,10 @@ class Settings(BaseSettings):
     )
     threads: int | None = Field(None, ge=1, description="torch intra-op threads (CPU); default: torch's choice")
     cuda_graphs: bool = Field(True, description="on CUDA, replay decode steps as CUDA graphs captured at start-up")
+    overlap: Literal["auto", "on", "off"] = Field(
+        "auto", description="launch each engine step before reading the previous one's tokens, hiding the host's "
+        "work behind the device's; auto: on for CUDA (on a CPU it only delays tokens by a step)"
+    )
 
     # --- engine limits ----------------------------------------------------------------------
     max_batch_size: int = Field(16, ge=1, le=1024, description="KV-cache slots: sequences decoded together")

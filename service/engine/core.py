@@ -15,7 +15,6 @@ test drives `step()` directly (or through service/inprocess.py, with text).
 from __future__ import annotations
 
 import logging
-import math
 import secrets
 import time
 from collections.abc import Callable
@@ -25,16 +24,14 @@ import torch
 
 from model.gpt2 import GPT2
 from model.kv_cache import KVCache
-from model.sampling import choose_tokens
-from model.scoring import top_alternatives
+from model.transfer import to_device
 from service.engine.beams import advance_beams, beam_results, start_beam_search
 from service.engine.forward import forward_from
 from service.engine.grammar import Grammars
 from service.engine.graphs import StaticDecode
 from service.engine.prompt_scores import add_prompt_scores
 from service.engine.scheduler import BY_SLOT, PrefillChunk, RequestState, Scheduler, Sequence, StepPlan
-from service.engine.slot_controls import SlotControls
-from service.engine.slot_params import SlotParams
+from service.engine.step_sampler import LaunchedStep, SampledToken, StepRows, StepSampler
 from service.engine.speculation import kept_length, new_drafter, propose
 from service.engine.ngram_drafter import NgramSettings
 from service.engine.types import (
@@ -45,7 +42,6 @@ from service.engine.types import (
     RequestFailed,
     RequestStarted,
     StepStats,
-    TopLogprobs,
 )
 
 log = logging.getLogger(__name__)
@@ -70,39 +66,12 @@ class EngineConfig:
     static_decode: bool = False
     # Speculative decoding from n-gram drafts (speculation.py); None: off.
     speculative: NgramSettings | None = None
-
-
-@dataclass
-class StepRows:
-    """The layout of one step's logits, known before the forwards run."""
-
-    decoding: list[Sequence]  # the decode batch, in slot order
-    row_of: dict[int, int]  # slot → its (first) row in the step's logits
-    # What the sampler draws for (beams aside): one row per sequence, 1 + k for one with a
-    # draft of k tokens (its rows are consecutive).
-    sampled: list[tuple[RequestState, Sequence]]
-    sample_rows: torch.Tensor  # [B] logits row of each sampled sequence
-    sample_slots: torch.Tensor  # [B] its KV-cache slot (and parameter-table row)
-    sample_counters: torch.Tensor  # [B] tokens its sequence holds: which draw of its seed
-    # Row b of the logits is slot b's, for every b, and nothing else: the usual decode step
-    # once the running sequences are packed into slots 0..B-1 (a persistent batch). The
-    # per-slot tables are then read as views of their first B rows and the logits as they
-    # are, with no gather (on a GPU: no [B, V] copy and no index kernels).
-    in_slot_order: bool = False
-
-    @property
-    def read(self) -> torch.Tensor | slice:
-        """What selects the sampled rows of a per-slot table: a slice when in slot order."""
-        return slice(0, len(self.sampled)) if self.in_slot_order else self.sample_slots
-
-
-@dataclass(slots=True)
-class SampledToken:
-    state: RequestState
-    seq: Sequence
-    token: int
-    logprob: float
-    top: TopLogprobs | None = None
+    # Launch step n + 1 before reading step n's tokens, so the host's scheduling and
+    # bookkeeping run while the device computes (SGLang's overlap scheduler, vLLM's async
+    # scheduling). Tokens then reach the caller one step() later. None: on where the device runs
+    # asynchronously (CUDA); on a CPU every op runs in the caller's thread, so there is nothing
+    # to hide and the delay would only add a step to every token's latency.
+    overlap: bool | None = None
 
 
 @dataclass
@@ -136,14 +105,17 @@ class EngineCore:
         self.clock = clock
         max_len = config.max_len or model.config.n_positions
         self.cache = KVCache(model.config, config.max_slots, max_len, self.device, model.dtype)
-        self.slot_params = SlotParams(config.max_slots, model.config.vocab_size, self.device)
-        self.slot_controls = SlotControls(config.max_slots, model.config.vocab_size, max_len, eos_token_id, self.device)
+        self.sampler = StepSampler(config.max_slots, model.config.vocab_size, max_len, eos_token_id, self.device, grammars)
+        self.slot_params = self.sampler.slot_params  # tests reach the tables through the core
         self.scheduler = Scheduler(
-            self.cache, config.max_waiting, config.max_prefill_tokens, self._start, config.prefix_caching
+            self.cache, config.max_waiting, config.max_prefill_tokens, self._start, config.prefix_caching,
+            self._grammar_ready,
         )
         self.static_decode = StaticDecode(self.model, self.cache) if config.static_decode else None
         if self.static_decode is not None and self.device.type == "cuda":
             self.static_decode.capture()  # on failure it says why and decodes eagerly
+        self.overlap = config.overlap if config.overlap is not None else self.device.type == "cuda"
+        self._launched: LaunchedStep | None = None  # the step launched, tokens not yet read
 
     # --- entry points -------------------------------------------------------------------------
     def submit(self, requests: list[GenerationRequest]) -> None:
@@ -151,14 +123,15 @@ class EngineCore:
         for grammar in {r.params.grammar for r in requests} - {None}:
             if self.grammars is None:
                 raise ValueError("this engine has no grammar engine: constrained decoding is off")
-            self.grammars.compile(grammar)  # refused here, alone, rather than failing a step
         self.scheduler.submit(requests)
+        for grammar in {r.params.grammar for r in requests} - {None}:
+            self.grammars.prepare(grammar)  # compiled off the step loop; admitted once it is
 
     def cancel(self, request_id: str) -> None:
         self.scheduler.cancel(request_id)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self._launched is not None
 
     # --- one step -------------------------------------------------------------------------------
     def step(self) -> CoreStep:
@@ -167,17 +140,34 @@ class EngineCore:
         failed: list[RequestFailed] = []
         prefill_tokens = cached_tokens = decode_tokens = batch_size = 0
         try:
+            # Overlap: this step is launched before the previous one's tokens are read, unless a
+            # running request needs every token on the host before its next step can be built.
+            overlap = self.overlap and not any(state.host_paced for state in self.scheduler.running)
+            previous, self._launched = self._launched, None
+            if previous is not None and not overlap:
+                self._postprocess(previous, results)
+                previous = None
+            failed += self._refuse_uncompiled()
             plan = self.scheduler.schedule(started)
-            results.done = [self._finish(state) for state in plan.cancelled]
+            results.done += [self._finish(state) for state in plan.cancelled]
             prefill_tokens = plan.prefill_tokens
             cached_tokens = plan.cached_tokens
             decode_tokens = sum(len(s.live) for s in plan.decode)
-            results.decode_output_tokens = sum(len(s.live) for s in plan.decode if s.beam is not None)  # one each
-            if plan.prefill or plan.decode:
-                batch_size = self._run_and_postprocess(plan, results)
+            results.decode_output_tokens += sum(len(s.live) for s in plan.decode if s.beam is not None)  # one each
+            self._rearrange(plan)
+            launched = self._launch(plan) if plan.prefill or plan.decode else None
+            if launched is not None:
+                batch_size = len(launched.rows.row_of)
+            if previous is not None:
+                self._postprocess(previous, results)
+            if overlap:
+                self._launched = launched
+            elif launched is not None:
+                self._postprocess(launched, results)
         except Exception as exc:  # e.g. out of device memory: fail these requests, keep serving
             log.exception("engine step failed")
-            failed = [
+            self._launched = None
+            failed += [
                 RequestFailed(state.request.request_id, f"engine step failed: {exc}")
                 for state in self.scheduler.abort_running()
             ]
@@ -198,36 +188,66 @@ class EngineCore:
         )
         return CoreStep(results.tokens, results.started, results.done, failed, stats)
 
-    def _run_and_postprocess(self, plan: StepPlan, results: StepResults) -> int:
-        """The step's model work and bookkeeping; returns how many rows got a token."""
+    def _launch(self, plan: StepPlan) -> LaunchedStep:
+        """Queue the step's model work and sampling; with beams or drafts, it also waits for it."""
         completing = plan.completing
-        active = completing + plan.decode
         with torch.inference_mode():
             if self.config.speculative is not None:
                 propose(plan.decode, self.config.speculative, plan.prefill_tokens)
             rows = self._layout(plan)
+            logits = self._run(plan, rows)
+            launched = self.sampler.launch(logits, rows, completing + plan.decode, completing)
+            for state in launched.active:
+                if state.beam is not None and advance_beams(state, logits, rows.row_of, self.cache):
+                    for beam in state.sequences:  # finish() gives each hypothesis its reason
+                        self.scheduler.release_sequence(beam, "length", state)
+        for _, seq in rows.sampled:
+            seq.pending += 1
+        return launched
+
+    def _rearrange(self, plan: StepPlan) -> None:
+        """The plan's packing moves and prefix copies, even in a step with nothing to run: with
+        overlap, a sequence whose last token is still in flight is packed but not stepped."""
+        with torch.inference_mode():
             for src, dst, length, swap in plan.moves:
                 self._move(src, dst, length, swap)
             for src, dst, length in plan.copies:
                 self.cache.copy_slots([src], [dst], length)
-            logits = self._run(plan, rows)
-            sampled = self._sample(logits, rows)
-            for state in active:
-                if state.beam is not None and advance_beams(state, logits, rows.row_of, self.cache):
-                    for beam in state.sequences:  # finish() gives each hypothesis its reason
-                        self.scheduler.release_sequence(beam, "length", state)
-        results.started = [
+
+    def _postprocess(self, launched: LaunchedStep, results: StepResults) -> None:
+        """Read a launched step's tokens and append them; report who started and who finished.
+        Requests cancelled, or finished by an earlier step, since it was launched get nothing."""
+        sampled = self.sampler.read(launched)
+        for token in sampled:
+            token.seq.pending -= 1
+        results.started += [
             RequestStarted(s.request.request_id, s.scheduled_time - s.request.arrival_time, s.seed, s.prompt_scores)
-            for s in completing
+            for s in launched.completing
+            if not s.reported
         ]
         self._advance_all(sampled, results)
-        finished = [state for state in active if state.done]
+        finished = [state for state in launched.active if state.done and not state.reported]
         if finished:
             results.done += [self._finish(state) for state in finished]
             self.scheduler.drop_finished(finished)
-        return len(rows.row_of)
 
     # --- admission ------------------------------------------------------------------------------
+    def _grammar_ready(self, state: RequestState) -> bool:
+        grammar = state.params.grammar
+        return grammar is None or (self.grammars.ready(grammar) and grammar not in self.grammars.errors)
+
+    def _refuse_uncompiled(self) -> list[RequestFailed]:
+        """Take the grammars compiled since the last step. Waiting requests whose grammar failed to
+        compile (the HTTP side checked it, so this is rare) each fail alone, before holding a slot."""
+        if self.grammars is None:
+            return []
+        self.grammars.collect()
+        errors = self.grammars.errors
+        if not errors:
+            return []
+        refused = self.scheduler.refuse_waiting(lambda state: state.params.grammar in errors)
+        return [RequestFailed(state.request.request_id, errors[state.params.grammar]) for state in refused]
+
     def _start(self, state: RequestState, slots: list[int]) -> list[Sequence]:
         """Turn an admitted request's parameters into per-slot tensors and generators, once."""
         params, prompt = state.params, state.request.prompt_ids
@@ -239,13 +259,13 @@ class EngineCore:
         for index, slot in enumerate(slots):
             if state.beam is None:
                 seed = (state.seed + index * SEED_STRIDE) % SEED_MODULUS if params.do_sample else 0
-                self.slot_params.write(slot, params, prompt, seed)
-                self.slot_controls.write(slot, params, prompt)
+                self.sampler.write(slot, params, prompt, seed)
             drafter = new_drafter(self.config.speculative, params)
             # Compiled (or copied from the cache) here, at admission: llguidance takes ~2 ms for
             # a 10-20 property schema (docs/structured-output.md).
             matcher = self.grammars.matcher(params.grammar) if params.grammar is not None else None
             sequences.append(Sequence(index, slot, list(prompt), len(prompt), drafter=drafter, matcher=matcher))
+        state.host_paced = state.beam is not None or any(s.drafter is not None or s.matcher is not None for s in sequences)
         return sequences
 
     def _move(self, src: int, dst: int, length: int, swap: bool) -> None:
@@ -253,8 +273,7 @@ class EngineCore:
             self.cache.swap_slots(src, dst, length)
         elif length:
             self.cache.copy_slots([src], [dst], length)
-        self.slot_params.move(src, dst)
-        self.slot_controls.move(src, dst)
+        self.sampler.move(src, dst)
 
     # --- run: forwards and sampling -------------------------------------------------------------
     def _layout(self, plan: StepPlan) -> StepRows:
@@ -277,7 +296,7 @@ class EngineCore:
             row += len(decoding)
             slots = [seq.slot for _, seq in sampled]
             logit_rows = [row_of[slot] for slot in slots]
-            counters = [len(seq.token_ids) for _, seq in sampled]
+            counters = [len(seq.token_ids) + seq.pending for _, seq in sampled]
         else:
             for seq in decoding:
                 row_of[seq.slot] = row
@@ -292,7 +311,7 @@ class EngineCore:
                 slots.append(seq.slot)
                 counters.append(len(seq.token_ids) + j)
         # One host→device copy for the three index vectors: [3, B].
-        indices = torch.tensor([logit_rows, slots, counters], dtype=torch.long).to(self.device, non_blocking=True)
+        indices = to_device([logit_rows, slots, counters], self.device)
         sample_rows, sample_slots, sample_counters = indices  # [B] each
         in_order = row == len(slots) and logit_rows == slots == list(range(len(slots)))
         return StepRows(decoding, row_of, sampled, sample_rows, sample_slots, sample_counters, in_order)
@@ -345,51 +364,21 @@ class EngineCore:
             # Each position as decoding computes it, so a draft's length (which the batch
             # prices) never changes a token's bits.
             return forward_from(self.model, self.cache, slots, starts, pieces, every_position=True, one_query_per_call=True).logits
+        lengths = [len(s.token_ids) + s.pending for s in seqs]
+        # A sequence whose last token the host has not read yet (overlap) feeds the one its
+        # slot's last sampling left on the device; the host's token_ids[-1] is then stale.
+        ahead = [s.pending > 0 for s in seqs]
+        tokens = [s.token_ids[-1] for s in seqs]
         if self.static_decode is not None:
-            return self.static_decode.run(slots, [s.token_ids[-1] for s in seqs], [len(s.token_ids) - 1 for s in seqs])
-        lengths = [len(s.token_ids) for s in seqs]
-        host = torch.tensor([slots, [s.token_ids[-1] for s in seqs], [n - 1 for n in lengths]], dtype=torch.long)
-        slot_ids, input_ids, positions = host.to(self.device, non_blocking=True)  # [B] each: one copy
+            return self.static_decode.run(slots, tokens, [n - 1 for n in lengths], ahead, self.sampler.last_tokens)
+        host = to_device([slots, tokens, [n - 1 for n in lengths], ahead], self.device)  # [4, B]: one copy
+        slot_ids, input_ids, positions, from_device = host
+        if any(ahead):
+            input_ids = torch.where(from_device.bool(), self.sampler.last_tokens[slot_ids], input_ids)
         # kv_length from Python ints: no device sync to find the longest row.
         rows = self.cache.batch(slots, slot_ids)
         out = self.model(input_ids[:, None], positions[:, None], self.cache, rows, kv_length=max(lengths))
         return out.logits[:, -1]  # [B, V]
-
-    def _sample(self, logits: torch.Tensor, rows: StepRows) -> list[SampledToken]:
-        if not rows.sampled:
-            return []
-        slots, read = rows.sample_slots, rows.read
-        requested = [state.request.params for state, _ in rows.sampled]
-        special = [p for p in requested if not p.plain]  # the rows that use any optional stage
-        params = self.slot_params.gather(read, special)
-        params.controls = self.slot_controls.gather(read, rows.sample_counters, special)
-        seen = self.slot_params.seen(read) if params.any_penalty else None
-        step_logits = logits if rows.in_slot_order else logits[rows.sample_rows]  # [B, V]
-        if any(p.grammar is not None for p in special):
-            # The grammar's forbidden tokens at -inf before anything reads the logits: the
-            # sampler, the log-probabilities and the alternatives see the constrained
-            # distribution. Unconstrained rows are untouched (their values, their bits).
-            banned = self.grammars.banned([seq.matcher for _, seq in rows.sampled], step_logits.device)
-            step_logits = step_logits.masked_fill(banned, float("-inf"))
-        tokens, logprobs = choose_tokens(step_logits, params, rows.sample_counters, seen)  # [B], [B]
-        if params.any_penalty:
-            self.slot_params.mark_seen(slots, tokens)
-        self.slot_controls.record(params.controls, slots, rows.sample_counters, tokens)
-        columns = [tokens[:, None].double(), logprobs[:, None].double()]
-        # Alternatives: as many as the most demanding row asked for; each row keeps its own count.
-        n = max(p.top_logprobs for p in requested)
-        if n:
-            top_ids, top_logprobs = top_alternatives(step_logits.float(), n)  # [B, n], [B, n]
-            columns += [top_ids.double(), top_logprobs.double()]
-        # The sampler's one device→host copy: tokens, their log-probs and alternatives together
-        # (float64 holds every token id exactly). [B, 2 + 2n]
-        host = torch.cat(columns, dim=1).cpu().tolist()
-        if not n:
-            return [SampledToken(state, seq, int(row[0]), row[1]) for (state, seq), row in zip(rows.sampled, host)]
-        return [
-            SampledToken(state, seq, int(row[0]), row[1], alternatives(row, n, state.params.top_logprobs))
-            for (state, seq), row in zip(rows.sampled, host)
-        ]
 
     # --- postprocess ------------------------------------------------------------------------------
     def _advance_all(self, sampled: list[SampledToken], results: StepResults) -> None:
@@ -397,6 +386,9 @@ class EngineCore:
         start = 0
         while start < len(sampled):
             seq = sampled[start].seq
+            if seq.finish_reason is not None:  # ended (or cancelled) since its step was launched
+                start += 1
+                continue
             if not seq.draft and seq.drafter is None:  # the usual row: one token, no draft to judge
                 results.tokens.append(self._advance(sampled[start]))
                 results.decode_output_tokens += len(seq.token_ids) - 1 > seq.prompt_length
@@ -440,15 +432,7 @@ class EngineCore:
         return (state.request.request_id, seq.index, token, sampled.logprob, reason, sampled.top)
 
     def _finish(self, state: RequestState) -> RequestDone:
+        state.reported = True
         self.scheduler.forget(state.request.request_id)
         beams = beam_results(state) if state.beam is not None and state.beam.done else None
         return RequestDone(state.request.request_id, beams)
-
-
-def alternatives(row: list[float], n: int, wanted: int) -> TopLogprobs | None:
-    """A host row [token, logprob, n ids, n logprobs] → the first `wanted` alternatives; none a
-    grammar forbids (-inf: a constrained row may allow fewer tokens than were asked for)."""
-    if not wanted:
-        return None
-    pairs = zip(map(int, row[2 : 2 + wanted]), row[2 + n : 2 + n + wanted])
-    return [(token, logprob) for token, logprob in pairs if logprob != -math.inf]

@@ -12,6 +12,7 @@ import torch
 
 from model.gpt2 import GPT2, Packing
 from model.kv_cache import KVCache
+from model.transfer import to_device
 
 
 @dataclass
@@ -44,14 +45,15 @@ def forward_from(
     lengths = [len(piece) for piece in pieces]
     width = max(lengths)
     flat = [(b * width + j, slots[b], starts[b] + j) for b, n in enumerate(lengths) for j in range(n)]
-    index, token_slots, positions = torch.tensor(flat, dtype=torch.long).t().to(device, non_blocking=True)
-    input_ids = torch.tensor([token for piece in pieces for token in piece], device=device)  # [N]
+    # One copy for every index vector: [4, N] (input ids in the last row).
+    tokens = [token for piece in pieces for token in piece]
+    index, token_slots, positions, input_ids = to_device([*zip(*flat), tokens], device)
     packing = Packing(index, len(pieces), width, token_slots, positions)
     kv_length = max(start + n for start, n in zip(starts, lengths))
     out = model.forward_packed(input_ids, packing, cache, cache.batch(slots), kv_length, hidden_states, one_query_per_call)
     head_input = out.head_input  # [N, C]
     if not every_position:
-        last = torch.tensor(list(accumulate(lengths)), device=device) - 1  # [B]
+        last = to_device(list(accumulate(lengths)), device) - 1  # [B]
         head_input = head_input[last]  # [B, C]
     hidden = None
     if hidden_states:

@@ -29,6 +29,7 @@ import torch
 
 from model.gpt2 import GPT2
 from model.kv_cache import KVCache
+from model.transfer import to_device
 
 log = logging.getLogger(__name__)
 
@@ -69,19 +70,34 @@ class StaticDecode:
         self.slot_batches = {size: cache.batch(list(range(size))) for size in self.batch_sizes}
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
-    def run(self, slots: list[int], token_ids: list[int], positions: list[int]) -> torch.Tensor:
+    def run(
+        self,
+        slots: list[int],
+        token_ids: list[int],
+        positions: list[int],
+        ahead: list[bool] | None = None,
+        last_tokens: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Logits [B, V] for the rows on `slots` (ascending), row b feeding token_ids[b] at
-        positions[b]."""
+        positions[b]; or, where ahead[b], its slot's entry of `last_tokens` [max_slots] (a
+        token the host has not read yet: the core's overlap)."""
         size = next_size(self.batch_sizes, slots[-1] + 1)
         bucket = next_size(self.length_buckets, max(positions) + 1)
-        ids, pos = [0] * size, [self.cache.max_len - 1] * size
+        ids, pos, from_device = [0] * size, [self.cache.max_len - 1] * size, [0] * size
         for slot, token, position in zip(slots, token_ids, positions):
             ids[slot], pos[slot] = token, position
-        self.buffers.input_ids[:size, 0].copy_(torch.tensor(ids, dtype=torch.long), non_blocking=True)
-        self.buffers.positions[:size, 0].copy_(torch.tensor(pos, dtype=torch.long), non_blocking=True)
+        if ahead is not None and any(ahead):
+            for slot, flag in zip(slots, ahead):
+                from_device[slot] = int(flag)
         packed = slots == list(range(len(slots)))
-        # Made before the forward is queued: on CUDA a later host→device copy would wait for it.
-        rows = None if packed else torch.tensor(slots).to(self.cache.device, non_blocking=True)
+        # One copy, made before the forward is queued: [3, size] (+ the rows when not packed).
+        host = to_device([ids, pos, from_device] + ([] if packed else [slots + [0] * (size - len(slots))]), self.cache.device)
+        if any(from_device):
+            self.buffers.input_ids[:size, 0].copy_(torch.where(host[2].bool(), last_tokens[:size], host[0]))
+        else:
+            self.buffers.input_ids[:size, 0].copy_(host[0])
+        self.buffers.positions[:size, 0].copy_(host[1])
+        rows = None if packed else host[3, : len(slots)]
         graph = self.graphs.get((size, bucket))
         if graph is not None:
             graph[0].replay()

@@ -51,6 +51,15 @@ class Sequence:
     draft: list[int] = field(default_factory=list)  # this step's drafted tokens
     acceptance: DraftAcceptance = field(default_factory=DraftAcceptance)  # how its drafts fared
     matcher: object | None = None  # its grammar's llguidance.LLMatcher, when constrained
+    # Tokens sampled on the device that the host has not read yet (the core's overlap: step
+    # n + 1 is launched before step n's tokens are read). Its slot holds keys and values for
+    # `cached + pending` positions; its next token is drawn at `len(token_ids) + pending`.
+    pending: int = 0
+
+    @property
+    def written(self) -> int:
+        """Positions its slot holds (or will once the queued forwards have run)."""
+        return self.cached + self.pending
 
     @property
     def generated(self) -> list[int]:
@@ -72,6 +81,10 @@ class RequestState:
     # grown chunk by chunk; the request decodes once it reaches the prompt's length.
     prefilled: int = 0
     reused: int = 0  # of which taken from the prefix cache
+    # Each step needs the host's view of its last tokens (beams, drafts, a grammar's matcher):
+    # the core does not run ahead of it (service/engine/core.py, overlap).
+    host_paced: bool = False
+    reported: bool = False  # its RequestDone was sent: nothing more is said about it
 
     @property
     def params(self) -> SamplingParams:
@@ -95,6 +108,14 @@ class RequestState:
     @property
     def prefilling(self) -> bool:
         return self.prefilled < len(self.request.prompt_ids)
+
+    @property
+    def exhausted(self) -> bool:
+        """Its sequences drew their last token in a step whose tokens the host has not read:
+        done by length, though not yet known to be. (Sequences of one request advance together.)"""
+        sequences = self.sequences
+        seq = sequences[0] if len(sequences) == 1 else next((s for s in sequences if s.finish_reason is None), None)
+        return seq is not None and seq.pending > 0 and len(seq.token_ids) + seq.pending - seq.prompt_length >= self.params.max_new_tokens
 
     @property
     def scored_prefix(self) -> ScoredPrefix | None:
@@ -173,9 +194,13 @@ class Scheduler:
         max_prefill_tokens: int,
         start: Callable[[RequestState, list[int]], list[Sequence]],
         prefix_caching: bool = False,
+        admissible: Callable[[RequestState], bool] | None = None,
     ) -> None:
+        """`admissible(state)`: False keeps a waiting request waiting, the ones behind it going on
+        (a grammar still compiling off the step loop)."""
         self.cache = cache
         self._start = start
+        self._admissible = admissible
         self.max_waiting = max_waiting
         self.max_prefill_tokens = max_prefill_tokens
         self.prefix = PrefixCache(prefix_caching)
@@ -238,7 +263,7 @@ class Scheduler:
     def schedule(self, now: float) -> StepPlan:
         with self._lock:
             cancel, self._cancel = self._cancel, set()
-            cancelled = self._drop_waiting(cancel)
+            cancelled = self._drop_waiting(lambda state: state.request.request_id in cancel)
         kept = []
         for state in self.running:
             if state.request.request_id in cancel:
@@ -253,7 +278,8 @@ class Scheduler:
         chunks, decode = [], []
         for state in kept:
             if not state.prefilling:
-                decode.append(state)
+                if not state.exhausted:  # a row more would draw past max_new_tokens
+                    decode.append(state)
             elif size := budget.take(len(state.request.prompt_ids) - state.prefilled):
                 chunks.append(PrefillChunk(state, state.prefilled, state.prefilled + size))
         pending: list[tuple[Sequence, Sequence, int]] = []  # (source, destination, length)
@@ -278,6 +304,8 @@ class Scheduler:
                 for state in [state for submission in self._waiting for state in submission]:
                     if state.slots_needed > self.cache.slots_free:
                         break  # first come, first served: nobody overtakes another for slots
+                    if self._admissible is not None and not self._admissible(state):
+                        continue
                     prompt = state.request.prompt_ids
                     match = None
                     if self.prefix.enabled:  # without the cache, nothing is reused or worth waiting for
@@ -372,10 +400,18 @@ class Scheduler:
         self.prefix.clear()
         return aborted
 
-    def _drop_waiting(self, cancel: set[str]) -> list[RequestState]:
+    def refuse_waiting(self, refused: Callable[[RequestState], bool]) -> list[RequestState]:
+        """Take the waiting requests `refused` says will never run out of the queue, and forget them."""
+        with self._lock:
+            dropped = self._drop_waiting(refused)
+        for state in dropped:
+            self.forget(state.request.request_id)
+        return dropped
+
+    def _drop_waiting(self, dropping: Callable[[RequestState], bool]) -> list[RequestState]:
         dropped = []
         for submission in self._waiting:
-            for state in [s for s in submission if s.request.request_id in cancel]:
+            for state in [s for s in submission if dropping(s)]:
                 submission.remove(state)
                 dropped.append(state)
         self._waiting = deque(s for s in self._waiting if s)
@@ -396,7 +432,7 @@ class Scheduler:
             target = self.cache.allocate(1)[0]  # the lowest free slot, below seq.slot
             self.cache.free(seq.slot)
             retained = self.prefix.length(target)
-            moves.append((seq.slot, target, max(seq.cached, retained), retained > 0))
+            moves.append((seq.slot, target, max(seq.written, retained), retained > 0))
             self.prefix.move(target, seq.slot)
             seq.slot = target
             live.insert(0, seq)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from model.logits_processors import NO_TOKEN, Controls
+from model.transfer import to_device
 from service.engine.types import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, SamplingParams
 
 
@@ -59,30 +60,28 @@ class SlotControls:
         self._tables = (self._floats, self._ints, self._bias, self._counts, self._stop, self._history, self._bad)
 
     def write(self, slot: int, p: SamplingParams, prompt_ids: list[int]) -> None:
-        self._floats[slot] = torch.tensor(
-            [p.presence_penalty, p.frequency_penalty, p.min_p, p.typical_p], device=self.device
-        )
-        self._ints[slot] = torch.tensor([len(prompt_ids), p.min_new_tokens, p.no_repeat_ngram_size], device=self.device)
+        self._floats[slot] = to_device([p.presence_penalty, p.frequency_penalty, p.min_p, p.typical_p], self.device, torch.float32)
+        self._ints[slot] = to_device([len(prompt_ids), p.min_new_tokens, p.no_repeat_ngram_size], self.device, self._ints.dtype)
         # Bias and bad words are gathered for every row of a batch where any row uses them, so a
         # slot's previous request must leave nothing behind: reset whether this one uses them or not.
         self._bias[slot] = 0.0
         if uses_bias(p):
             ids, values = zip(*p.logit_bias)
-            self._bias[slot, torch.tensor(ids, device=self.device)] = torch.tensor(values, device=self.device)
+            self._bias[slot, to_device(ids, self.device)] = to_device(values, self.device, self._bias.dtype)
         if uses_counts(p):
             self._counts[slot] = 0
         if uses_min_new(p):
             stops = list(p.stop_token_ids) + ([] if p.ignore_eos else [self.eos_token_id])
             self._stop[slot] = False
             if stops:
-                self._stop[slot, torch.tensor(stops, device=self.device)] = True
+                self._stop[slot, to_device(stops, self.device)] = True
         if uses_history(p):
-            self._history[slot, : len(prompt_ids)] = torch.tensor(prompt_ids, device=self.device)
+            self._history[slot, : len(prompt_ids)] = to_device(prompt_ids, self.device)
         # Right-aligned: [NO_TOKEN..., w0, w1, ..., last]
         table = torch.full((MAX_BAD_WORDS, MAX_BAD_WORD_TOKENS), NO_TOKEN, dtype=torch.long)
         for row, word in enumerate(p.bad_words_ids):
             table[row, MAX_BAD_WORD_TOKENS - len(word) :] = torch.tensor(word)
-        self._bad[slot] = table.to(self.device)
+        self._bad[slot] = to_device(table, self.device)
 
     def move(self, src: int, dst: int) -> None:
         for table in self._tables:

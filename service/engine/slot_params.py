@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from model.sampling import SamplingTensors
+from model.transfer import to_device
 from service.engine.types import SamplingParams
 
 # Columns of the float table.
@@ -31,13 +32,13 @@ class SlotParams:
         sampling = params.do_sample
         row = [params.temperature if sampling else 1.0, params.top_p if sampling else 1.0,
                params.repetition_penalty, float(sampling)]
-        self._floats[slot] = torch.tensor(row, device=self.device)
+        self._floats[slot] = to_device(row, self.device, torch.float32)
         top_k = params.top_k if sampling and params.top_k > 0 else self.vocab_size
         self._top_k[slot] = min(top_k, self.vocab_size)
         self._seed[slot] = seed
         if params.repetition_penalty != 1.0:
             self._seen[slot] = False
-            self._seen[slot, torch.tensor(prompt_ids, device=self.device)] = True
+            self._seen[slot, to_device(prompt_ids, self.device)] = True
 
     def move(self, src: int, dst: int) -> None:
         self._floats[dst] = self._floats[src]

@@ -10,7 +10,9 @@ from the same distribution (the usual rejection-sampling guarantee).
 
 Controls that read the tokens before a position (repetition, presence and frequency penalties,
 no_repeat_ngram_size, bad_words_ids) are kept per slot and updated once per step; a sequence
-that uses them does not speculate. Beam search does not speculate either.
+that uses them does not speculate. Beam search does not speculate either. A constrained
+sequence's draft is cut where its grammar would refuse a token, and each of its 1 + k rows is
+masked by the grammar as it stands after the draft tokens before that row.
 
 How many tokens a sequence drafts each step (0 to k) is draft_policy.py's: as many as its recent
 acceptance makes worth their rows at the step's batch size.
@@ -33,7 +35,6 @@ def speculates(params: SamplingParams) -> bool:
         and params.frequency_penalty == 0.0
         and params.no_repeat_ngram_size == 0
         and not params.bad_words_ids
-        and params.grammar is None  # a draft would need checking against the grammar first
     )
 
 
@@ -57,6 +58,8 @@ def propose(states: list[RequestState], settings: NgramSettings, prefill_tokens:
             room = state.params.max_new_tokens - len(seq.generated) - 1
             most = min(room, draft_length(seq.acceptance.rate, threshold, settings.tokens))
             seq.draft = seq.drafter.draft(seq.token_ids, most) if most > 0 else []
+            if seq.draft and seq.matcher is not None:  # only what the grammar allows is worth a row
+                seq.draft = seq.draft[: seq.matcher.validate_tokens(seq.draft)]
 
 
 def kept_length(drawn: list[int], draft: list[int]) -> int:

@@ -57,6 +57,12 @@ def test_bench_generate(tiny_model_dir):
     assert "same tokens" in out and "TOKENS DIFFER" not in out
 
 
+def test_bench_overlap_keeps_the_tokens(tiny_model_dir):
+    # Exits 1 when overlap on and off gave different tokens.
+    out = run_bench("bench_overlap", "--model-dir", tiny_model_dir, "--batch", 1, 3, "--new-tokens", 5, "--rounds", 1)
+    assert_columns(out, "B=   1", "B=   3", "on/off", "identical True")
+
+
 def test_profile_decode(tiny_model_dir):
     out = run_bench("profile_decode", "--model-dir", tiny_model_dir, "--threads", 1, "--steps", 1, "--context", 16,
                     "--engine", "--batch", 2)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 import time
 from pathlib import Path
 
@@ -17,6 +18,9 @@ from weights.checkpoint import load_model
 from weights.tokenizer import GPT2Tokenizer
 
 _ids = itertools.count()
+# GPT2_TEST_OVERLAP=1 (or 0) runs every engine these tests make with the core's overlap on (off);
+# unset, the device decides (on for CUDA), as in the server.
+OVERLAP = {"1": True, "0": False}.get(os.environ.get("GPT2_TEST_OVERLAP", ""))
 
 
 @pytest.fixture(scope="session")
@@ -32,7 +36,7 @@ def hf_model(tiny_model_dir: Path, device: torch.device):
 @pytest.fixture
 def make_engine(tiny_model, tokenizer: GPT2Tokenizer):
     def make(tokenizer: GPT2Tokenizer = tokenizer, model=tiny_model, **config) -> Engine:
-        return Engine(model, tokenizer, EngineConfig(**{"max_slots": 8, **config}))
+        return Engine(model, tokenizer, EngineConfig(**{"max_slots": 8, "overlap": OVERLAP, **config}))
 
     return make
 

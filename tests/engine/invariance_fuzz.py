@@ -37,6 +37,16 @@ FUZZ_CONFIG = GPT2Config(vocab_size=50257, n_positions=160, n_embd=64, n_layer=2
 EMBEDDING_SCALE = 30.0
 MAX_SLOTS = 24
 STOPS = ("e", " the", "a", ".", "\n", "ing", "!")
+# Constrained decoding (llguidance's grammar text, as the HTTP side builds it): a regex, a choice,
+# a small JSON schema.
+GRAMMARS = (
+    '%llguidance {}\nstart: /[a-z ]{1,20}/',
+    '%llguidance {}\nstart: "yes" | "no" | "maybe not"',
+    '%llguidance {}\nstart: %json {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"}},'
+    ' "required": ["a"], "x-guidance": {"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "}}',
+)
+# What a grammar cannot be combined with (service/engine/validation.py refuses it).
+NOT_WITH_GRAMMAR = ("ignore_eos", "min_new_tokens", "stop_token_ids", "no_repeat_ngram_size", "bad_words_ids")
 
 
 @dataclass(frozen=True)
@@ -46,6 +56,9 @@ class Features:
     max_prefill_tokens: int = 512
     quantize: str = "none"
     threads: int = 1
+    # The core's overlap (launch a step before reading the last one's tokens) among neighbours;
+    # the lone run never overlaps, so a case also checks that overlap changes nothing.
+    overlap: bool = False
 
 
 def pick(rng: random.Random, *choices):
@@ -96,6 +109,10 @@ def random_params(rng: random.Random, vocab: int) -> dict:
         p["prompt_logprobs"] = True
     if rng.random() < 0.1:
         p["ignore_eos"] = True
+    if kind != "beam" and rng.random() < 0.15:
+        p["grammar"] = pick(rng, *GRAMMARS)
+        for key in NOT_WITH_GRAMMAR:
+            p.pop(key, None)
     return p
 
 
@@ -150,6 +167,7 @@ def run_engine(models: Models, features: dict, entries: list[dict]) -> dict[str,
     config = EngineConfig(
         max_slots=MAX_SLOTS, max_waiting=128, prefix_caching=f.prefix_caching, max_prefill_tokens=f.max_prefill_tokens,
         speculative=NgramSettings() if f.speculative else None,  # priced by the batch: drafts vary with it
+        overlap=f.overlap,
     )
     threads = torch.get_num_threads()
     torch.set_num_threads(f.threads)
@@ -186,9 +204,9 @@ def outcome(result) -> dict:
 def failure(models: Models, case: dict) -> str | None:
     """Why the case breaks the promise, or None."""
     target = dict(case["target"], id="target", arrives=0)
-    alone = run_engine(models, case["features"], [target])["target"]
+    alone = run_engine(models, dict(case["features"], overlap=False), [target])["target"]
     if case["features"]["speculative"]:
-        plain = run_engine(models, dict(case["features"], speculative=False), [target])["target"]
+        plain = run_engine(models, dict(case["features"], speculative=False, overlap=False), [target])["target"]
         if plain != alone:
             return f"speculation changed the lone request: {difference(plain, alone)}"
     entries = [dict(case["target"], id="target")] + [dict(n, id=f"n{i}") for i, n in enumerate(case["neighbours"])]
@@ -248,13 +266,15 @@ def write_fuzz_model(out_dir: Path) -> Path:
 
 
 def cpu_features() -> list[Features]:
-    """Every speed feature on and off, several prefill chunk sizes, float32 and int8, 1 and 2 threads."""
+    """Every speed feature on and off, several prefill chunk sizes, float32 and int8, 1 and 2 threads,
+    overlap on and off."""
     from model.quantized import quantize_problem
 
     quantized = ["none"] + (["int8"] if quantize_problem("int8", "cpu", torch.float32) is None else [])
     return [
-        Features(speculative=s, prefix_caching=c, max_prefill_tokens=chunk, quantize=q, threads=t)
+        Features(speculative=s, prefix_caching=c, max_prefill_tokens=chunk, quantize=q, threads=t, overlap=o)
         for s in (False, True) for c in (False, True) for chunk in (512, 16, 5) for q in quantized for t in (1, 2)
+        for o in (False, True)
     ]
 
 

@@ -48,7 +48,7 @@ def count_static_runs(engine) -> list:
     """Record each static-decode run (graphs.py), so a test knows that path was taken."""
     runs = []
     real_run = engine.core.static_decode.run
-    engine.core.static_decode.run = lambda slots, ids, positions: (runs.append(len(ids)), real_run(slots, ids, positions))[1]
+    engine.core.static_decode.run = lambda slots, ids, positions, *rest: (runs.append(len(ids)), real_run(slots, ids, positions, *rest))[1]
     return runs
 
 

@@ -10,7 +10,7 @@ from weights.tokenizer import GPT2Tokenizer
 
 
 def test_several_prompts_of_one_submission_are_prefilled_together(make_engine, hf_model):
-    engine = make_engine(max_slots=4, max_prefill_tokens=20)
+    engine = make_engine(max_slots=4, max_prefill_tokens=20, overlap=False)  # counts steps of the synchronous core
     prompts = [random_prompt(n, seed=n) for n in (3, 11, 6)]
     engine.submit([make_request(p, max_new_tokens=5, request_id=f"part-{i}") for i, p in enumerate(prompts)])
     first = engine.step()
@@ -22,7 +22,7 @@ def test_several_prompts_of_one_submission_are_prefilled_together(make_engine, h
 
 
 def test_prefill_budget_is_prompt_tokens_per_step(make_engine, hf_model):
-    engine = make_engine(max_slots=4, max_prefill_tokens=20)
+    engine = make_engine(max_slots=4, max_prefill_tokens=20, overlap=False)  # counts steps of the synchronous core
     prompts = [random_prompt(15, seed=1), random_prompt(15, seed=2)]
     engine.submit([make_request(prompts[0], request_id="a", max_new_tokens=3)])
     engine.submit([make_request(prompts[1], request_id="b", max_new_tokens=3)])
@@ -111,7 +111,7 @@ def test_eos_ends_a_sequence_unless_ignored(tiny_model_dir, make_engine, hf_mode
 
 
 def test_cancelling_a_running_request_frees_its_slots_at_the_next_step(make_engine, hf_model):
-    engine = make_engine(max_slots=4)
+    engine = make_engine(max_slots=4, overlap=False)  # counts steps of the synchronous core
     keep = make_request(random_prompt(5, seed=1), request_id="keep", max_new_tokens=10)
     drop = make_request(random_prompt(5, seed=2), request_id="drop", max_new_tokens=50,
                         do_sample=True, num_return_sequences=2)
@@ -146,7 +146,7 @@ def test_cancelling_a_waiting_request_removes_it_without_running_it(make_engine)
 
 
 def test_finished_sequences_free_their_slots_as_they_finish(make_engine):
-    engine = make_engine(max_slots=3)
+    engine = make_engine(max_slots=3, overlap=False)  # counts steps of the synchronous core
     engine.submit([make_request(random_prompt(4, seed=n), max_new_tokens=n) for n in (1, 3, 5)])
     used = [engine.step().stats.kv_slots_used for _ in range(5)]
     assert used == [2, 2, 1, 1, 0]

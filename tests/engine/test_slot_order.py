@@ -23,13 +23,13 @@ def recorded_orders(make_engine):
     """An engine whose steps record whether their sampled rows were in slot order."""
     engine = make_engine(max_slots=4)
     orders: list[bool] = []
-    sample = engine.core._sample
+    sample = engine.core.sampler.launch
 
-    def recording(logits, rows):
+    def recording(logits, rows, *rest):
         orders.append(rows.in_slot_order)
-        return sample(logits, rows)
+        return sample(logits, rows, *rest)
 
-    engine.core._sample = recording
+    engine.core.sampler.launch = recording
     return engine, orders
 
 

@@ -49,7 +49,7 @@ def admission_beside_a_padded_decode(engine) -> tuple[dict, list[int]]:
     runs = []
     if engine.core.static_decode is not None:
         real_run = engine.core.static_decode.run
-        engine.core.static_decode.run = lambda slots, ids, positions: (runs.append(len(ids)), real_run(slots, ids, positions))[1]
+        engine.core.static_decode.run = lambda slots, ids, positions, *rest: (runs.append(len(ids)), real_run(slots, ids, positions, *rest))[1]
     first = [make_request(random_prompt(6, seed=s), request_id=f"first-{s}", max_new_tokens=8) for s in (1, 2, 3)]
     engine.submit(first)
     results = {f.request_id: f for f in engine.step().finished}

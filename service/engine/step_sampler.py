@@ -1,0 +1,167 @@
+"""The sampling stage of a step: each KV-cache slot's decoding parameters and controls as device
+tensors, the draw over a step's logits, and the one device→host copy of what it drew.
+
+`launch` queues the draw and the copy and returns at once (on CUDA the host goes on while the
+device works: the engine core's overlap); `read` waits for the copy and returns the tokens.
+The sampler also leaves each slot's token in `last_tokens` on the device, which the next step's
+decode feeds when the host has not read it yet.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from model.sampling import choose_tokens
+from model.scoring import top_alternatives
+from service.engine.grammar import Grammars
+from service.engine.scheduler import RequestState, Sequence
+from service.engine.slot_controls import SlotControls
+from service.engine.slot_params import SlotParams
+from service.engine.types import SamplingParams, TopLogprobs
+
+
+@dataclass
+class StepRows:
+    """The layout of one step's logits, known before the forwards run."""
+
+    decoding: list[Sequence]  # the decode batch, in slot order
+    row_of: dict[int, int]  # slot → its (first) row in the step's logits
+    # What the sampler draws for (beams aside): one row per sequence, 1 + k for one with a
+    # draft of k tokens (its rows are consecutive).
+    sampled: list[tuple[RequestState, Sequence]]
+    sample_rows: torch.Tensor  # [B] logits row of each sampled sequence
+    sample_slots: torch.Tensor  # [B] its KV-cache slot (and parameter-table row)
+    sample_counters: torch.Tensor  # [B] tokens its sequence holds: which draw of its seed
+    # Row b of the logits is slot b's, for every b, and nothing else: the usual decode step
+    # once the running sequences are packed into slots 0..B-1 (a persistent batch). The
+    # per-slot tables are then read as views of their first B rows and the logits as they
+    # are, with no gather (on a GPU: no [B, V] copy and no index kernels).
+    in_slot_order: bool = False
+
+    @property
+    def read(self) -> torch.Tensor | slice:
+        """What selects the sampled rows of a per-slot table: a slice when in slot order."""
+        return slice(0, len(self.sampled)) if self.in_slot_order else self.sample_slots
+
+
+@dataclass(slots=True)
+class SampledToken:
+    state: RequestState
+    seq: Sequence
+    token: int
+    logprob: float
+    top: TopLogprobs | None = None
+
+
+@dataclass
+class LaunchedStep:
+    """A step whose forwards and sampling are queued on the device; its tokens not yet read."""
+
+    rows: StepRows
+    active: list[RequestState]  # the requests it ran (prefill completing, then decoding)
+    completing: list[RequestState]  # of which those whose prompt it finished
+    sampled: torch.Tensor | None  # [B, 2 + 2n] on the host once `ready` has passed
+    alternatives: int  # n
+    ready: torch.cuda.Event | None  # recorded after the device→host copy (CUDA only)
+
+
+class StepSampler:
+    def __init__(
+        self, max_slots: int, vocab_size: int, max_len: int, eos_token_id: int, device: torch.device,
+        grammars: Grammars | None,
+    ) -> None:
+        self.slot_params = SlotParams(max_slots, vocab_size, device)
+        self.slot_controls = SlotControls(max_slots, vocab_size, max_len, eos_token_id, device)
+        self.grammars = grammars
+        # Each slot's last sampled token, on the device: what a step launched before the host
+        # read the previous one's tokens feeds.
+        self.last_tokens = torch.zeros(max_slots, dtype=torch.long, device=device)
+
+    def write(self, slot: int, params: SamplingParams, prompt: list[int], seed: int) -> None:
+        self.slot_params.write(slot, params, prompt, seed)
+        self.slot_controls.write(slot, params, prompt)
+
+    def move(self, src: int, dst: int) -> None:
+        self.slot_params.move(src, dst)
+        self.slot_controls.move(src, dst)
+        self.last_tokens[dst] = self.last_tokens[src]
+
+    def launch(
+        self, logits: torch.Tensor, rows: StepRows, active: list[RequestState], completing: list[RequestState]
+    ) -> LaunchedStep:
+        """Queue the sampling of every sampled row and the copy of its results to the host."""
+        if not rows.sampled:
+            return LaunchedStep(rows, active, completing, None, 0, None)
+        slots, read = rows.sample_slots, rows.read
+        requested = [state.request.params for state, _ in rows.sampled]
+        special = [p for p in requested if not p.plain]  # the rows that use any optional stage
+        params = self.slot_params.gather(read, special)
+        params.controls = self.slot_controls.gather(read, rows.sample_counters, special)
+        seen = self.slot_params.seen(read) if params.any_penalty else None
+        step_logits = logits if rows.in_slot_order else logits[rows.sample_rows]  # [B, V]
+        if any(p.grammar is not None for p in special):
+            # The grammar's forbidden tokens at -inf before anything reads the logits: the
+            # sampler, the log-probabilities and the alternatives see the constrained
+            # distribution. Unconstrained rows are untouched (their values, their bits).
+            banned = self.grammars.banned([seq.matcher for _, seq in rows.sampled], step_logits.device, draft_prefixes(rows))
+            step_logits = step_logits.masked_fill(banned, float("-inf"))
+        tokens, logprobs = choose_tokens(step_logits, params, rows.sample_counters, seen)  # [B], [B]
+        if params.any_penalty:
+            self.slot_params.mark_seen(slots, tokens)
+        self.slot_controls.record(params.controls, slots, rows.sample_counters, tokens)
+        if not any(seq.draft for seq in rows.decoding):  # one row per slot: its next input
+            self.last_tokens[read] = tokens
+        columns = [tokens[:, None].double(), logprobs[:, None].double()]
+        # Alternatives: as many as the most demanding row asked for; each row keeps its own count.
+        n = max(p.top_logprobs for p in requested)
+        if n:
+            top_ids, top_logprobs = top_alternatives(step_logits.float(), n)  # [B, n], [B, n]
+            columns += [top_ids.double(), top_logprobs.double()]
+        # The sampler's one device→host copy: tokens, their log-probs and alternatives together
+        # (float64 holds every token id exactly). [B, 2 + 2n]. Queued, not waited for: on CUDA
+        # the host goes on (non_blocking lands in pinned memory) and `read` waits for the event.
+        host = torch.cat(columns, dim=1).to("cpu", non_blocking=True)
+        ready = None
+        if host.device != logits.device and logits.device.type == "cuda":
+            ready = torch.cuda.Event()
+            ready.record()
+        return LaunchedStep(rows, active, completing, host, n, ready)
+
+    def read(self, launched: LaunchedStep) -> list[SampledToken]:
+        """The launched step's sampled tokens, once the device has them on the host."""
+        if launched.sampled is None:
+            return []
+        if launched.ready is not None:
+            launched.ready.synchronize()
+        host, n, sampled = launched.sampled.tolist(), launched.alternatives, launched.rows.sampled
+        if not n:
+            return [SampledToken(state, seq, int(row[0]), row[1]) for (state, seq), row in zip(sampled, host)]
+        return [
+            SampledToken(state, seq, int(row[0]), row[1], alternatives(row, n, state.params.top_logprobs))
+            for (state, seq), row in zip(sampled, host)
+        ]
+
+
+def alternatives(row: list[float], n: int, wanted: int) -> TopLogprobs | None:
+    """A host row [token, logprob, n ids, n logprobs] → the first `wanted` alternatives; none a
+    grammar forbids (-inf: a constrained row may allow fewer tokens than were asked for)."""
+    if not wanted:
+        return None
+    pairs = zip(map(int, row[2 : 2 + wanted]), row[2 + n : 2 + n + wanted])
+    return [(token, logprob) for token, logprob in pairs if logprob != -math.inf]
+
+
+def draft_prefixes(rows: StepRows) -> list[list[int]] | None:
+    """Per sampled row, the draft tokens before it (row j of a sequence's 1 + k sees j of them);
+    None when no row has a draft."""
+    if not any(seq.draft for seq in rows.decoding):
+        return None
+    prefixes, previous, j = [], None, 0
+    for _, seq in rows.sampled:
+        j = j + 1 if seq is previous else 0
+        previous = seq
+        prefixes.append(seq.draft[:j])
+    return prefixes

@@ -1,0 +1,134 @@
+"""The core's overlap (a step launched before the previous one's tokens are read) changes no
+output: every request gets the tokens, log-probs, alternatives and finish reasons it gets with
+overlap off, whatever it shares the engine with, as it arrives, finishes, is cancelled or packed.
+
+On a CPU the device runs in the caller's thread, so overlap gains nothing here; the same code
+runs on CUDA, where it is on by default (EngineConfig.overlap), and this is where its exactness
+is proved.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from service.engine.ngram_drafter import NgramSettings
+from tests.conftest import TINY
+from tests.engine.conftest import make_request, random_prompt
+
+JSON_GRAMMAR = '%llguidance {}\nstart: "{\\"a\\": " /[0-9]{1,3}/ "}"'
+
+# (arrives at step, prompt seed, prompt length, parameters): greedy and sampled rows, penalties
+# and controls, several sequences per prompt, alternatives and prompt scores, stop tokens that
+# end rows at steps only the sampled tokens decide, prompts longer than a prefill chunk.
+MIXED = [
+    (0, 1, 5, dict(max_new_tokens=12)),
+    (0, 2, 9, dict(max_new_tokens=20, do_sample=True, seed=7, temperature=0.8, top_k=50)),
+    (0, 3, 3, dict(max_new_tokens=15, do_sample=True, seed=8, top_p=0.9, num_return_sequences=3)),
+    (1, 4, 14, dict(max_new_tokens=9, repetition_penalty=1.3, top_logprobs=3, prompt_logprobs=True)),
+    (1, 5, 6, dict(max_new_tokens=25, do_sample=True, seed=9, stop_token_ids=tuple(range(0, TINY.vocab_size, 5)))),
+    (2, 6, 40, dict(max_new_tokens=7, presence_penalty=0.5, frequency_penalty=0.4, no_repeat_ngram_size=2)),
+    (3, 7, 4, dict(max_new_tokens=18, do_sample=True, seed=10, min_new_tokens=6, min_p=0.05,
+                   stop_token_ids=tuple(range(1, TINY.vocab_size, 3)))),
+    (3, 8, 11, dict(max_new_tokens=1)),
+    (5, 9, 7, dict(max_new_tokens=14, logit_bias=((11, 5.0), (12, -3.0)), bad_words_ids=((13,), (14, 15)))),
+    (6, 1, 5, dict(max_new_tokens=16)),  # the first prompt again: a reused prefix
+    (8, 10, 70, dict(max_new_tokens=11, do_sample=True, seed=11, typical_p=0.9)),
+    (9, 11, 3, dict(max_new_tokens=30, do_sample=True, seed=12, top_logprobs=2)),
+    # Up to the context's end: a step launched past a row's last token would write past it.
+    (2, 14, TINY.n_positions - 10, dict(max_new_tokens=10, do_sample=True, seed=14, no_repeat_ngram_size=3)),
+]
+BEAM = (2, 12, 6, dict(max_new_tokens=8, num_beams=3, num_return_sequences=2))
+GRAMMAR = (4, 13, 5, dict(max_new_tokens=12, grammar=JSON_GRAMMAR, do_sample=True, seed=13))
+
+
+def run(make_engine, entries, overlap: bool, cancel: dict[str, int] | None = None, **config):
+    """Every request's outcome (timings aside), and how many steps ran ahead of the host."""
+    engine = make_engine(overlap=overlap, **config)
+    requests = {f"r{i}": (arrives, make_request(random_prompt(length, seed), f"r{i}", **params))
+                for i, (arrives, seed, length, params) in enumerate(entries)}
+    results, ahead = {}, 0
+    for step in range(400):
+        if arriving := [r for arrives, r in requests.values() if arrives == step]:
+            engine.submit(arriving)
+        for request_id, at in (cancel or {}).items():
+            if at == step:
+                engine.cancel(request_id)
+        output = engine.step()
+        assert not output.failed, output.failed
+        results.update((f.request_id, outcome(f)) for f in output.finished)
+        ahead += engine.core._launched is not None
+        if len(results) == len(requests) and not engine.has_work():
+            assert engine.cache.slots_used == 0  # nothing leaked
+            return results, ahead
+    raise AssertionError("the engine did not finish")
+
+
+def outcome(finished) -> list:
+    return [(s.token_ids, s.text, s.logprobs, s.finish_reason, s.score, s.top_logprobs) for s in finished.sequences] + [
+        finished.prompt_logprobs, finished.seed]
+
+
+@pytest.mark.parametrize("config", [
+    dict(max_slots=6),  # fewer slots than requests: admissions as others finish, packing moves
+    dict(max_slots=16, max_prefill_tokens=8),  # prompts in chunks beside decoding rows
+    dict(max_slots=6, static_decode=True),  # the static (CUDA-graph) decode reads the device's tokens
+    dict(max_slots=16, prefix_caching=False),
+])
+def test_overlap_changes_no_output(make_engine, config):
+    synchronous, ahead_off = run(make_engine, MIXED, overlap=False, **config)
+    overlapped, ahead_on = run(make_engine, MIXED, overlap=True, **config)
+    assert ahead_off == 0 and ahead_on > 10  # it did run ahead
+    assert overlapped == synchronous
+
+
+def test_a_sequence_packed_while_its_last_token_is_in_flight_keeps_its_keys(make_engine):
+    """Requests finishing one after another leave the last one alone in a high slot with its last
+    token in flight: it is packed into a lower slot in a step that runs nothing. Its keys must
+    move with it, or a later prompt reusing that prefix reads another sequence's keys."""
+    cases = [(1, 12), (5, 20), (17, 16), (40, 9)]  # (prompt length, new tokens): finishing out of order
+    outcomes = {}
+    for overlap in (False, True):
+        engine = make_engine(overlap=overlap, max_slots=len(cases), max_prefill_tokens=8)
+        first = engine.generate([make_request(random_prompt(n, seed=n), max_new_tokens=new) for n, new in cases])
+        again = [engine.generate([make_request(random_prompt(n, seed=n), max_new_tokens=new)])[0] for n, new in cases]
+        outcomes[overlap] = [outcome(r) for r in first + again]
+    assert outcomes[True] == outcomes[False]
+
+
+def test_requests_that_need_the_hosts_tokens_step_in_turn_and_change_nothing(make_engine):
+    """Beams, a grammar's matcher and drafts need each token on the host before the next step:
+    while one runs the core steps synchronously, and the others beside it are unchanged."""
+    entries = MIXED[:6] + [BEAM, GRAMMAR]
+    for config in (dict(max_slots=12), dict(max_slots=12, speculative=NgramSettings())):
+        synchronous, _ = run(make_engine, entries, overlap=False, **config)
+        overlapped, ahead = run(make_engine, entries, overlap=True, **config)
+        assert overlapped == synchronous
+    plain, ahead_plain = run(make_engine, MIXED[:6], overlap=True, max_slots=12)
+    assert all(plain[k] == overlapped[k] for k in plain)
+    assert ahead < ahead_plain  # the beam and the grammar held it to the host's pace
+
+
+def test_cancelled_requests_end_where_they_were_and_others_are_untouched(make_engine):
+    cancel = {"r1": 4, "r2": 7, "r4": 3}
+    # Without prefix caching: a cancelled request's cached keys change which prefix a later prompt
+    # reuses, and a reused prefix is exact only to ~1e-5 in log-probs (docs/batch-invariance.md).
+    synchronous, _ = run(make_engine, MIXED, overlap=False, max_slots=8, prefix_caching=False)
+    overlapped, _ = run(make_engine, MIXED, overlap=True, cancel=cancel, max_slots=8, prefix_caching=False)
+    for request_id, result in overlapped.items():
+        if request_id not in cancel:
+            assert result == synchronous[request_id]
+            continue
+        for (tokens, *_, reason, _score, _top), (full, *_) in zip(result[:-2], synchronous[request_id][:-2]):
+            assert reason in ("cancelled", "eos_token", "length")
+            assert tokens == full[: len(tokens)]  # a prefix of what it would have written
+
+
+def test_tokens_arrive_one_step_later_with_overlap(make_engine):
+    """What overlap trades on a CPU: the host reads a step's tokens after launching the next."""
+    counts = {}
+    for overlap in (False, True):
+        engine = make_engine(overlap=overlap, max_slots=2)
+        engine.submit([make_request(random_prompt(4, seed=1), max_new_tokens=3)])
+        counts[overlap] = [len(engine.step().events) for _ in range(4 + overlap)]
+    assert counts[False] == [1, 1, 1, 0]
+    assert counts[True] == [0, 1, 1, 1, 0]
