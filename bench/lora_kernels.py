@@ -15,6 +15,10 @@ of rank r, side by side in one run.
 - row by row, packed: each row its own two packed products.
 For scale, "base products" is the 48 base products of the same rows (packed oneDNN, float32).
 
+With --model-dir (GPT-2 124M, e.g. weights/gpt2), whole [R, 1] decode steps of the model over a KV
+cache of --context keys per row: every row on the base, vs the rows spread over the adapters
+(all four modules, and c_attn only), each through model/lora.py; tokens/s ratios of one run.
+
 "alone = in batch" checks each row's delta computed alone (one row, its adapter's only) against
 the same row inside the batch, bit for bit: the engine's seeded sampling needs that
 (docs/batch-invariance.md). Times are CPU seconds (time.process_time), best of --reps, interleaved.
@@ -29,9 +33,11 @@ import torch
 
 from bench.common import add_smoke_argument, describe_machine, interleaved
 from model.config import GPT2Config
+from model.kv_cache import KVCache
 from model.linear import linear, pack
-from model.lora import SiteDelta
-from model.lora_format import site_shapes
+from model.lora import BASE, LoraSet, SiteDelta
+from model.lora_format import LoraAdapter, SiteWeights, site_shapes
+from weights.checkpoint import load_model
 
 SCALING = 2.0
 
@@ -117,6 +123,49 @@ def invariant(method, sites, inputs, adapter_of_row) -> bool:
     return True
 
 
+def random_adapter(config: GPT2Config, rank: int, modules: tuple[str, ...], generator: torch.Generator) -> LoraAdapter:
+    sites = {}
+    for layer in range(config.n_layer):
+        for module, (n_in, n_out) in site_shapes(config).items():
+            if module in modules:
+                a, b = torch.randn(rank, n_in, generator=generator) * 0.02, torch.randn(n_out, rank, generator=generator) * 0.02
+                sites[f"h.{layer}.{module}"] = SiteWeights(a, b, SCALING)
+    return LoraAdapter(sites, config={})
+
+
+def decode_steps(model_dir, rows: int, adapters: int, rank: int, context: int, reps: int) -> None:
+    """Whole decode steps, base rows vs rows over adapters, as tokens/s (one run, interleaved)."""
+    model = load_model(model_dir)
+    generator = torch.Generator().manual_seed(1)
+    sets = {}
+    for label, modules in (("all modules", tuple(site_shapes(model.config))), ("c_attn only", ("attn.c_attn",))):
+        sets[label] = LoraSet(model)
+        for i in range(adapters):
+            sets[label].add(f"a{i}", random_adapter(model.config, rank, modules, generator))
+    cache = KVCache(model.config, max_slots=rows, max_len=context + 1)
+    slots = list(range(rows))
+    tokens = torch.randint(0, model.config.vocab_size, (rows, 1), generator=generator)
+    positions = torch.full((rows, 1), context)
+    spread = [row % adapters for row in range(rows)]
+    half = [BASE if row % 2 else row % adapters for row in range(rows)]
+
+    def step(lora) -> None:
+        model(tokens, positions, cache, cache.batch(slots), kv_length=context + 1, lora=lora)
+
+    runs = {"base": lambda: step(None)}
+    for label, adapter_set in sets.items():
+        runs[f"{adapters} adapters, {label}"] = lambda s=adapter_set: step(s.rows(spread))
+        runs[f"half base, half adapters, {label}"] = lambda s=adapter_set: step(s.rows(half))
+    with torch.inference_mode():
+        seconds = interleaved(runs, reps=reps, clock=time.process_time)
+    base = min(seconds["base"])
+    print(f"\nwhole decode steps of {model_dir}: {rows} rows, {context} cached keys each, rank {rank}; best of {reps}")
+    print(f"{'rows use':44s} {'ms/step':>8s} {'tokens/s':>9s} {'vs base':>8s}")
+    for name, times in seconds.items():
+        best = min(times)
+        print(f"{name:44s} {best * 1e3:8.1f} {rows / best:9.1f} {base / best:7.2f}x")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, default=16)
@@ -124,6 +173,8 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--model-dir", default=None, help="also time whole decode steps of this model")
+    parser.add_argument("--context", type=int, default=128)
     add_smoke_argument(parser)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -157,6 +208,8 @@ def main() -> None:
             diff = max(float((a - b).abs().max()) for a, b in zip(deltas_of(method, sites, inputs, layout), reference))
             same = "yes" if invariant(method, sites, inputs, adapter_of_row) else "NO"
             print(f"{method:26s} {ms:8.3f} {ms / base:7.2f}x  {diff:10.2e}  {same}")
+    if args.model_dir:
+        decode_steps(args.model_dir, args.rows, args.adapters, args.rank, args.context, max(3, args.reps // 3))
 
 
 if __name__ == "__main__":

@@ -167,7 +167,7 @@ LENGTHS = [5, 1, 12, 3, 9]
 DECODE_STEPS = 3
 
 
-@pytest.fixture(scope="module", params=["none", "int8"])
+@pytest.fixture(scope="module", params=["none", "int8", "int4"])
 def served(request, tiny_model_dir, tmp_path_factory):
     """The tiny model (quantized or not) with three adapters of different shapes and targets."""
     problem = quantize_problem(request.param, "cpu", torch.float32)
