@@ -18,6 +18,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from model.config import GPT2Config
 from model.kv_cache import KVCache, SlotBatch
 from model.linear import Conv1D, linear, pack, released
+from model.lora import LoraGroups, LoraRows
 from model.quantized import (
     QUANTIZE_MODES, QUANTIZED_WEIGHTS, Int8Rows, QuantizedWeight, block_weights, quantize_problem, rescore_candidates,
 )
@@ -36,8 +37,8 @@ class MLP(nn.Module):
         self.c_fc = Conv1D(config.n_embd, config.inner_dim)
         self.c_proj = Conv1D(config.inner_dim, config.n_embd)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.c_proj(self.c_fc(x, gelu=True))
+    def forward(self, x: torch.Tensor, lora: LoraGroups | None = None) -> torch.Tensor:
+        return self.c_proj(self.c_fc(x, gelu=True, lora=lora), lora=lora)
 
 
 @dataclass
@@ -67,6 +68,7 @@ class AttentionInputs:
     row_spans: list[tuple[int, int]] | None = None
     # Each query its own call, as a decode step runs it (speculative verification, `attend_by_row`).
     one_query_per_call: bool = False
+    lora: LoraGroups | None = None  # the rows' adapters (model/lora.py); None: the base for every row
 
 
 def attend_by_row(
@@ -120,7 +122,7 @@ class CausalSelfAttention(nn.Module):
         if ctx.packing is not None:
             return self._forward_packed(x, ctx), None
         B, T, C = x.shape
-        qkv = self.c_attn(x).view(B, T, 3, self.n_head, self.head_dim)  # [B, T, 3, H, d_h]
+        qkv = self.c_attn(x, lora=ctx.lora).view(B, T, 3, self.n_head, self.head_dim)  # [B, T, 3, H, d_h]
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # 3 × [B, H, T, d_h], views
         if ctx.cache is not None:
             ctx.cache.write(self.layer_index, ctx.rows, ctx.positions, qkv[:, :, 1:])
@@ -143,14 +145,14 @@ class CausalSelfAttention(nn.Module):
         else:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.mask)  # [B, H, T, d_h]
         y = y.transpose(1, 2).reshape(B, T, C)  # [B, T, C]
-        return self.c_proj(y), probs
+        return self.c_proj(y, lora=ctx.lora), probs
 
     def _forward_packed(self, x: torch.Tensor, ctx: AttentionInputs) -> torch.Tensor:
         """x [1, N, C] packed rows (always with a cache): projections over the N real tokens,
         attention over their [B, T] layout."""
         packing, (_, N, C) = ctx.packing, x.shape
         H, d = self.n_head, self.head_dim
-        qkv = self.c_attn(x)[0].view(N, 3, H, d)  # [N, 3, H, d_h]
+        qkv = self.c_attn(x, lora=ctx.lora)[0].view(N, 3, H, d)  # [N, 3, H, d_h]
         ctx.cache.write_tokens(self.layer_index, packing.slots, packing.positions, qkv[:, 1:])
         q = qkv[:, 0].reshape(N, C)  # [N, C]
         keys, values = ctx.cache.read(self.layer_index, ctx.rows, ctx.kv_length)  # [B, H, L, d_h]
@@ -158,14 +160,14 @@ class CausalSelfAttention(nn.Module):
             rows = q.split([n for n, _ in ctx.row_spans])  # B × [n_b, C]
             queries = [row.view(1, len(row), H, d).transpose(1, 2) for row in rows]  # B × [1, H, n_b, d_h]
             y = torch.cat([out.transpose(1, 2).reshape(-1, C) for out in attend_by_row(queries, keys, values, ctx)])
-            return self.c_proj(y[None])  # [1, N, C]
+            return self.c_proj(y[None], lora=ctx.lora)  # [1, N, C]
         B, T = packing.batch, packing.width
         laid_out = q.new_zeros(B * T, C)
         laid_out[packing.index] = q
         queries = laid_out.view(B, T, H, d).transpose(1, 2)  # [B, H, T, d_h]
         y = F.scaled_dot_product_attention(queries, keys, values, attn_mask=ctx.mask)  # [B, H, T, d_h]
         y = y.transpose(1, 2).reshape(B * T, C)[packing.index]  # [N, C]
-        return self.c_proj(y[None])  # [1, N, C]
+        return self.c_proj(y[None], lora=ctx.lora)  # [1, N, C]
 
 
 class Block(nn.Module):
@@ -181,7 +183,7 @@ class Block(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         attn_out, probs = self.attn(self.ln_1(x), ctx)
         x = x + attn_out
-        x = x + self.mlp(self.ln_2(x))
+        x = x + self.mlp(self.ln_2(x), ctx.lora)
         return x, probs
 
 
@@ -318,6 +320,7 @@ class GPT2(nn.Module):
         output_hidden_states: bool = False,
         exact_kv_length: bool = True,
         apply_head: bool = True,
+        lora: LoraRows | None = None,
     ) -> ForwardOutput:
         """Run the decoder.
 
@@ -329,6 +332,7 @@ class GPT2(nn.Module):
         exact_kv_length: False when kv_length may exceed a row's own length (a fixed length, as
             CUDA graphs need): every row is then masked, even a lone one.
         apply_head: False returns what the LM head would read (`head_input`) instead of logits.
+        lora: each row's LoRA adapter (`LoraSet.rows`); None runs the base for every row.
         """
         B, T = input_ids.shape
         if positions is None:
@@ -349,6 +353,8 @@ class GPT2(nn.Module):
         )
         if by_row:
             ctx.row_spans = [(1, position + 1) for position in positions[:, 0].tolist()]  # decode: keys 0..p
+        if lora is not None:
+            ctx.lora = lora.over_tokens([T] * B, input_ids.device)
 
         x = self.embed_tokens(input_ids) + self.wpe(positions)  # [B, T, C]
         x, hidden, attentions = run_blocks(self.h, x, ctx, output_hidden_states)
@@ -365,12 +371,14 @@ class GPT2(nn.Module):
         kv_length: int,
         output_hidden_states: bool = False,
         one_query_per_call: bool = False,
+        lora: LoraRows | None = None,
     ) -> ForwardOutput:
         """Rows of new tokens of different lengths, packed (input_ids [N]; see Packing), each
         continuing its slot in the cache: no compute on padding outside attention.
 
         Returns what the LM head reads, head_input [N, C] (and hidden_states [1, N, C] each).
         one_query_per_call: see `attend_by_row` (CPU).
+        lora: each packed row's LoRA adapter (`LoraSet.rows`); None runs the base for every row.
         """
         B, T = packing.batch, packing.width
         # Padded queries sit at position 0: they see one key, so no row is fully masked.
@@ -389,6 +397,10 @@ class GPT2(nn.Module):
         if input_ids.device.type == "cpu":
             ctx.row_spans = packed_row_spans(packing)
             ctx.one_query_per_call = one_query_per_call
+        if lora is not None:
+            tokens_per_row = [n for n, _ in ctx.row_spans] if ctx.row_spans is not None else (
+                torch.bincount(packing.index // T, minlength=B).tolist())
+            ctx.lora = lora.over_tokens(tokens_per_row, input_ids.device)
         x = (self.embed_tokens(input_ids) + self.wpe(packing.positions))[None]  # [1, N, C]
         x, hidden, _ = run_blocks(self.h, x, ctx, output_hidden_states)
         return head_output(self.ln_f(x[0]), self.lm_head, False, None, hidden)

@@ -150,7 +150,8 @@ class TiedCrossEntropy(torch.autograd.Function):
             grad_logits = logits.sub_(log_z[:, None]).exp_()  # softmax, in place
             grad_logits[torch.arange(len(grad_logits)), targets[rows]] -= 1.0
             grad_hidden[rows] = grad_logits @ weight
-            grad_weight.addmm_(grad_logits.t(), hidden[rows])
+            if ctx.needs_input_grad[1]:  # a frozen head (LoRA training) skips a third of the work
+                grad_weight.addmm_(grad_logits.t(), hidden[rows])
         ctx.save_for_backward(grad_hidden, grad_weight)
         return total
 
@@ -192,22 +193,31 @@ Observer = Callable[[int, nn.Module], None]  # called after backward, before cli
 class Trainer:
     def __init__(self, config: TrainConfig, train_ids: np.ndarray, heldout_ids: np.ndarray, vocab_size: int) -> None:
         self.config = config
-        self.space = TokenSpace(train_ids, vocab_size)
+        self.space = self.token_space(train_ids, vocab_size)
         self.train_ids = self.space.compact(train_ids)
-        model_class, config_class = ARCHITECTURES[config.architecture]
-        self.model_config = config_class(
-            vocab_size=self.space.size, n_positions=config.context,
-            n_embd=config.n_embd, n_layer=config.n_layer, n_head=config.n_head,
-        )
-        self.model = model_class(self.model_config)
-        # GPT-2's initialisation for both architectures, so twins differ only by where the
-        # LayerNorms sit.
-        self.model.load_state_dict(init_state(self.model_config, seed=config.seed, model_class=model_class))
+        self.model = self.build_model()
         self.batches = torch.Generator().manual_seed(config.seed + 1)
         windows = heldout_windows(heldout_ids, config.context)
         pick = np.linspace(0, len(windows) - 1, num=min(config.eval_windows, len(windows))).astype(int)
         self.eval_windows = [windows[i] for i in pick]  # spread over the held-out works
         self.record: dict = {"config": asdict(config), "train_loss": [], "heldout_loss": []}
+
+    def token_space(self, train_ids: np.ndarray, vocab_size: int) -> TokenSpace:
+        """The softmax's rows: the tokens the training text uses (a fresh model learns no other)."""
+        return TokenSpace(train_ids, vocab_size)
+
+    def build_model(self) -> nn.Module:
+        """The model trained: a fresh one of config's architecture over the compact token space."""
+        model_class, config_class = ARCHITECTURES[self.config.architecture]
+        self.model_config = config_class(
+            vocab_size=self.space.size, n_positions=self.config.context,
+            n_embd=self.config.n_embd, n_layer=self.config.n_layer, n_head=self.config.n_head,
+        )
+        model = model_class(self.model_config)
+        # GPT-2's initialisation for both architectures, so twins differ only by where the
+        # LayerNorms sit.
+        model.load_state_dict(init_state(self.model_config, seed=self.config.seed, model_class=model_class))
+        return model
 
     def loss(self, ids: torch.Tensor) -> torch.Tensor:
         """Mean NLL of ids[:, 1:] given what precedes them: [B, T + 1] compact ids."""

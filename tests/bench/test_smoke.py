@@ -79,6 +79,13 @@ def test_kernel_benchmarks_in_smoke_sizes(module):
     assert_columns(run_bench(module, "--smoke", "--threads", 1), *columns)
 
 
+def test_lora_kernels_finds_the_served_kernel_batch_invariant(tiny_model_dir):
+    out = run_bench("lora_kernels", "--smoke", "--model-dir", tiny_model_dir, "--context", 16)
+    assert_columns(out, "base products", "gathered bmm", "alone = in batch", "whole decode steps", "4 adapters, all modules")
+    served = next(line for line in out.splitlines() if line.startswith("grouped, bmm of rows"))
+    assert served.endswith("yes"), served
+
+
 def test_attention_cold():
     out = run_bench("attention_cold", "--threads", 1, "--rows", 2, "--max-len", 128, "--reps", 1)
     assert_columns(out, "served", "token-major", "bfloat16 cache", "matmul + softmax", "hot")
