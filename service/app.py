@@ -104,6 +104,7 @@ def core_config(settings: Settings, context_length: int, eos_token_id: int) -> C
         speculative=settings.speculation,
         static_decode=settings.cuda_graphs and settings.device == "cuda",
         overlap={"auto": None, "on": True, "off": False}[settings.overlap],
+        adapters=settings.adapters,
     )
     # Refused here, before a core is spawned: `python -m service` prints it as one line.
     problem = quantize_problem(settings.quantize, settings.device, settings.torch_dtype,

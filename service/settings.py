@@ -121,6 +121,13 @@ class Settings(BaseSettings):
     )
     inspect_max_tokens: int = Field(64, ge=1, le=1024, description="tokens per /analyze/attention or /analyze/logit-lens text")
 
+    # --- LoRA adapters ----------------------------------------------------------------------
+    lora: list[str] = Field(
+        default_factory=list, max_length=64,
+        description="NAME=DIR: serve the peft LoRA adapter in DIR under NAME (repeat the flag for more); "
+        "requests choose it by name (OpenAI model, TGI adapter_id)",
+    )
+
     @field_validator("allowed_hosts")
     @classmethod
     def _host_patterns(cls, value: str | None) -> str | None:
@@ -130,6 +137,24 @@ class Settings(BaseSettings):
             if "*" in pattern[1:] or (pattern.startswith("*") and pattern != "*" and not pattern.startswith("*.")):
                 raise ValueError(f"{pattern!r}: a wildcard must be '*' alone or lead a domain, as '*.example.com'")
         return value
+
+    @field_validator("lora")
+    @classmethod
+    def _adapter_pairs(cls, value: list[str]) -> list[str]:
+        names = []
+        for item in value:
+            name, _, folder = item.partition("=")
+            if not name.strip() or not folder.strip():
+                raise ValueError(f"{item!r}: expected NAME=DIR (a name, then the adapter's peft folder)")
+            names.append(name.strip())
+        if len(set(names)) < len(names):
+            raise ValueError(f"adapter names must be distinct: {names}")
+        return value
+
+    @property
+    def adapters(self) -> tuple[tuple[str, str], ...]:
+        """The --lora adapters as (name, folder) pairs."""
+        return tuple((name.strip(), folder.strip()) for name, _, folder in (item.partition("=") for item in self.lora))
 
     @model_validator(mode="after")
     def _consistent(self) -> "Settings":

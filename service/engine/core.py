@@ -25,6 +25,7 @@ import torch
 from model.gpt2 import GPT2
 from model.kv_cache import KVCache
 from model.transfer import to_device
+from service.engine.adapters import ServedAdapters
 from service.engine.beams import advance_beams, beam_results, start_beam_search
 from service.engine.forward import forward_from
 from service.engine.grammar import Grammars
@@ -66,6 +67,8 @@ class EngineConfig:
     static_decode: bool = False
     # Speculative decoding from n-gram drafts (speculation.py); None: off.
     speculative: NgramSettings | None = None
+    # LoRA adapters loaded at start-up: (name, peft folder) pairs (model/lora.py).
+    adapters: tuple[tuple[str, str], ...] = ()
     # Launch step n + 1 before reading step n's tokens, so the host's scheduling and
     # bookkeeping run while the device computes (SGLang's overlap scheduler, vLLM's async
     # scheduling). Tokens then reach the caller one step() later. None: on where the device runs
@@ -115,6 +118,7 @@ class EngineCore:
         if self.static_decode is not None and self.device.type == "cuda":
             self.static_decode.capture()  # on failure it says why and decodes eagerly
         self.overlap = config.overlap if config.overlap is not None else self.device.type == "cuda"
+        self.adapters = ServedAdapters(self.model, config.adapters)
         self._launched: LaunchedStep | None = None  # the step launched, tokens not yet read
 
     # --- entry points -------------------------------------------------------------------------
@@ -123,7 +127,7 @@ class EngineCore:
         for grammar in {r.params.grammar for r in requests} - {None}:
             if self.grammars is None:
                 raise ValueError("this engine has no grammar engine: constrained decoding is off")
-        self.scheduler.submit(requests)
+        self.scheduler.submit(requests, [self.adapters.index(r.adapter) for r in requests])
         for grammar in {r.params.grammar for r in requests} - {None}:
             self.grammars.prepare(grammar)  # compiled off the step loop; admitted once it is
 
@@ -164,6 +168,8 @@ class EngineCore:
                 self._launched = launched
             elif launched is not None:
                 self._postprocess(launched, results)
+            if self.adapters.unloading:
+                self._free_unloaded_adapters()
         except Exception as exc:  # e.g. out of device memory: fail these requests, keep serving
             log.exception("engine step failed")
             self._launched = None
@@ -231,6 +237,12 @@ class EngineCore:
             results.done += [self._finish(state) for state in finished]
             self.scheduler.drop_finished(finished)
 
+    def _free_unloaded_adapters(self) -> None:
+        # Not while a launched step's rows may still use one (overlap).
+        in_use = lambda index: self._launched is not None or self.scheduler.adapter_in_use(index)  # noqa: E731
+        for index in self.adapters.free_unused(in_use):
+            self.scheduler.prefix.forget_adapter(index)  # its index may go to another adapter
+
     # --- admission ------------------------------------------------------------------------------
     def _grammar_ready(self, state: RequestState) -> bool:
         grammar = state.params.grammar
@@ -264,7 +276,8 @@ class EngineCore:
             # Compiled (or copied from the cache) here, at admission: llguidance takes ~2 ms for
             # a 10-20 property schema (docs/structured-output.md).
             matcher = self.grammars.matcher(params.grammar) if params.grammar is not None else None
-            sequences.append(Sequence(index, slot, list(prompt), len(prompt), drafter=drafter, matcher=matcher))
+            sequences.append(Sequence(index, slot, list(prompt), len(prompt), drafter=drafter, matcher=matcher,
+                                      adapter=state.adapter))
         state.host_paced = state.beam is not None or any(s.drafter is not None or s.matcher is not None for s in sequences)
         return sequences
 
@@ -335,6 +348,7 @@ class EngineCore:
             [chunk.start for chunk in chunks],
             [chunk.state.request.prompt_ids[chunk.start : chunk.end] for chunk in chunks],
             hidden_states=any(chunk.state.params.prompt_logprobs for chunk in chunks),
+            lora=self.adapters.rows([chunk.state.adapter for chunk in chunks]),
         )
         for row, chunk in enumerate(chunks):
             state = chunk.state
@@ -358,18 +372,20 @@ class EngineCore:
     def _decode(self, seqs: list[Sequence]) -> torch.Tensor:
         """Logits [B + drafted tokens, V]: one row per sequence, 1 + k for one with a draft."""
         slots = [s.slot for s in seqs]
+        lora = self.adapters.rows([s.adapter for s in seqs])
         if any(s.draft for s in seqs):  # verification: 1 + k positions per row, eagerly
             starts = [len(s.token_ids) - 1 for s in seqs]
             pieces = [[s.token_ids[-1]] + s.draft for s in seqs]
             # Each position as decoding computes it, so a draft's length (which the batch
             # prices) never changes a token's bits.
-            return forward_from(self.model, self.cache, slots, starts, pieces, every_position=True, one_query_per_call=True).logits
+            return forward_from(self.model, self.cache, slots, starts, pieces, every_position=True, one_query_per_call=True,
+                                lora=lora).logits
         lengths = [len(s.token_ids) + s.pending for s in seqs]
         # A sequence whose last token the host has not read yet (overlap) feeds the one its
         # slot's last sampling left on the device; the host's token_ids[-1] is then stale.
         ahead = [s.pending > 0 for s in seqs]
         tokens = [s.token_ids[-1] for s in seqs]
-        if self.static_decode is not None:
+        if self.static_decode is not None and lora is None:  # a graph holds no adapter: eager with one
             return self.static_decode.run(slots, tokens, [n - 1 for n in lengths], ahead, self.sampler.last_tokens)
         host = to_device([slots, tokens, [n - 1 for n in lengths], ahead], self.device)  # [4, B]: one copy
         slot_ids, input_ids, positions, from_device = host
@@ -377,8 +393,9 @@ class EngineCore:
             input_ids = torch.where(from_device.bool(), self.sampler.last_tokens[slot_ids], input_ids)
         # kv_length from Python ints: no device sync to find the longest row.
         rows = self.cache.batch(slots, slot_ids)
-        out = self.model(input_ids[:, None], positions[:, None], self.cache, rows, kv_length=max(lengths))
+        out = self.model(input_ids[:, None], positions[:, None], self.cache, rows, kv_length=max(lengths), lora=lora)
         return out.logits[:, -1]  # [B, V]
+
 
     # --- postprocess ------------------------------------------------------------------------------
     def _advance_all(self, sampled: list[SampledToken], results: StepResults) -> None:

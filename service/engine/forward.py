@@ -12,6 +12,7 @@ import torch
 
 from model.gpt2 import GPT2, Packing
 from model.kv_cache import KVCache
+from model.lora import LoraRows
 from model.transfer import to_device
 
 
@@ -32,11 +33,13 @@ def forward_from(
     every_position: bool = False,
     hidden_states: bool = False,
     one_query_per_call: bool = False,
+    lora: LoraRows | None = None,
 ) -> OffsetForward:
     """Row b feeds pieces[b] at positions starts[b]... into slot slots[b].
 
     one_query_per_call: each token's attention as a decode step computes it (model.gpt2's
     `attend_by_row`), for speculative verification to give plain decoding's bits.
+    lora: row b's LoRA adapter (model/lora.py); None: the base model for every row.
 
     The rows are packed (model.gpt2.Packing): projections and MLPs run over the real tokens only,
     so rows of different lengths cost what their tokens cost, not rows × the longest.
@@ -50,7 +53,7 @@ def forward_from(
     index, token_slots, positions, input_ids = to_device([*zip(*flat), tokens], device)
     packing = Packing(index, len(pieces), width, token_slots, positions)
     kv_length = max(start + n for start, n in zip(starts, lengths))
-    out = model.forward_packed(input_ids, packing, cache, cache.batch(slots), kv_length, hidden_states, one_query_per_call)
+    out = model.forward_packed(input_ids, packing, cache, cache.batch(slots), kv_length, hidden_states, one_query_per_call, lora)
     head_input = out.head_input  # [N, C]
     if not every_position:
         last = to_device(list(accumulate(lengths)), device) - 1  # [B]

@@ -16,6 +16,7 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass
 
+from model.lora import BASE
 from service.engine.types import PromptScores
 
 
@@ -57,6 +58,7 @@ class Retained:
     tokens: list[int]
     scored: ScoredPrefix | None
     last_used: int  # a logical clock: the least recently used retained slot is evicted first
+    adapter: int = BASE  # the LoRA adapter that computed its keys: only its own prompts reuse them
 
 
 @dataclass
@@ -100,10 +102,14 @@ class PrefixCache:
         self.retained: dict[int, Retained] = {}  # free slot → what it still holds
         self._clock = 0
 
-    def keep(self, slot: int, tokens: list[int], scored: ScoredPrefix | None) -> None:
+    def keep(self, slot: int, tokens: list[int], scored: ScoredPrefix | None, adapter: int = BASE) -> None:
         if self.enabled and tokens:
             self._clock += 1
-            self.retained[slot] = Retained(tokens, scored, self._clock)
+            self.retained[slot] = Retained(tokens, scored, self._clock, adapter)
+
+    def forget_adapter(self, adapter: int) -> None:
+        """An adapter was unloaded: its index may be given to another, whose keys differ."""
+        self.retained = {slot: kept for slot, kept in self.retained.items() if kept.adapter != adapter}
 
     def drop(self, slot: int) -> None:
         """The slot is given to a sequence: what it held is adopted or about to be overwritten."""
@@ -139,10 +145,12 @@ class PrefixCache:
         prompt: list[int],
         alternatives: int | None,
         running: list[tuple[object, list[int], int, ScoredPrefix | None]],
+        adapter: int = BASE,
     ) -> PrefixMatch | None:
         """The longest reusable prefix among retained free slots and running sequences, given as
         (sequence, its tokens, how many its slot holds, their scores; only those starting with
-        the prompt's first token need be given). Ties go to adopting in place."""
+        the prompt's first token and the same adapter need be given). Ties go to adopting in place.
+        `adapter`: the prompt's LoRA adapter; keys another adapter computed are not reused."""
         if not self.enabled or not prompt:
             return None
         best: PrefixMatch | None = None
@@ -150,7 +158,7 @@ class PrefixCache:
         # Filtered on the first token in these loops: with every slot full, each admission
         # looks at hundreds of candidates, and nearly all differ there (reusable length 0).
         candidates = [(slot, None, kept.tokens, None, kept.scored) for slot, kept in self.retained.items()
-                      if kept.tokens[0] == first]
+                      if kept.tokens[0] == first and kept.adapter == adapter]
         candidates += [(None, source, tokens, cached, scored) for source, tokens, cached, scored in running]
         for slot, source, tokens, cached, scored in candidates:
             length = reusable_length(prompt, tokens, scored, alternatives, cached)

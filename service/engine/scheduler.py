@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from operator import attrgetter
 
 from model.kv_cache import KVCache
+from model.lora import BASE
 from service.engine.draft_policy import DraftAcceptance
 from service.engine.ngram_drafter import NgramIndex
 from service.engine.prefix_cache import PrefixCache, PrefixMatch, ScoredPrefix, common_prefix_length
@@ -51,6 +52,7 @@ class Sequence:
     draft: list[int] = field(default_factory=list)  # this step's drafted tokens
     acceptance: DraftAcceptance = field(default_factory=DraftAcceptance)  # how its drafts fared
     matcher: object | None = None  # its grammar's llguidance.LLMatcher, when constrained
+    adapter: int = BASE  # its LoRA adapter's index in the model's LoraSet (BASE: none)
     # Tokens sampled on the device that the host has not read yet (the core's overlap: step
     # n + 1 is launched before step n's tokens are read). Its slot holds keys and values for
     # `cached + pending` positions; its next token is drawn at `len(token_ids) + pending`.
@@ -85,6 +87,7 @@ class RequestState:
     # the core does not run ahead of it (service/engine/core.py, overlap).
     host_paced: bool = False
     reported: bool = False  # its RequestDone was sent: nothing more is said about it
+    adapter: int = BASE  # its LoRA adapter's index (set at submission, from the request's name)
 
     @property
     def params(self) -> SamplingParams:
@@ -213,12 +216,13 @@ class Scheduler:
         self._closed = False
 
     # --- submission side ----------------------------------------------------------------------------
-    def submit(self, requests: list[GenerationRequest]) -> list[RequestState]:
-        """Queue requests to be admitted in order (several prompts of one HTTP call)."""
+    def submit(self, requests: list[GenerationRequest], adapters: list[int] | None = None) -> list[RequestState]:
+        """Queue requests to be admitted in order (several prompts of one HTTP call); `adapters`:
+        each one's LoRA adapter index (default: the base model)."""
         for request in requests:
             validate_request(request, self.cache.max_len, self.cache.max_slots)
         ids = [r.request_id for r in requests]
-        states = [RequestState(request) for request in requests]
+        states = [RequestState(request, adapter=index) for request, index in zip(requests, adapters or [BASE] * len(requests))]
         with self._lock:
             if self._closed:
                 raise EngineStopped("the engine is shutting down")
@@ -309,7 +313,9 @@ class Scheduler:
                     prompt = state.request.prompt_ids
                     match = None
                     if self.prefix.enabled:  # without the cache, nothing is reused or worth waiting for
-                        match = self.prefix.best_match(prompt, state.score_alternatives, self._running_prefixes(prompt[0]))
+                        adapter = state.adapter
+                        match = self.prefix.best_match(prompt, state.score_alternatives,
+                                                       self._running_prefixes(prompt[0], adapter), adapter)
                         if self._worth_waiting(state, match.length if match else 0):
                             continue
                     reused = match.length if match else 0
@@ -325,14 +331,15 @@ class Scheduler:
                 self._waiting_count -= len(admitted)
         return admitted
 
-    def _running_prefixes(self, first_token: int) -> list[tuple[Sequence, list[int], int, ScoredPrefix | None]]:
-        """Running sequences' cached tokens starting with `first_token` (no other can share a
-        prefix). Plain loops, no properties: this runs over every running sequence per admission."""
+    def _running_prefixes(self, first_token: int, adapter: int) -> list[tuple[Sequence, list[int], int, ScoredPrefix | None]]:
+        """Running sequences' cached tokens starting with `first_token`, computed with `adapter`
+        (no other can share a prefix). Plain loops, no properties: this runs over every running
+        sequence per admission."""
         return [
             (seq, seq.token_ids, seq.cached, state.scored_prefix)
             for state in self.running
             for seq in state.sequences
-            if seq.cached and seq.finish_reason is None and seq.token_ids[0] == first_token
+            if seq.cached and seq.finish_reason is None and seq.token_ids[0] == first_token and seq.adapter == adapter
         ]
 
     def _worth_waiting(self, state: RequestState, reused: int) -> bool:
@@ -340,6 +347,8 @@ class Scheduler:
         for other in self.running:
             if other.prefilled >= len(other.request.prompt_ids) or other.request.prompt_ids[0] != prompt[0]:
                 continue  # not prefilling (inline: hundreds per admission), or nothing shared
+            if other.adapter != state.adapter:
+                continue  # another adapter's keys
             if wanted is not None and (not other.params.prompt_logprobs or other.params.top_logprobs < wanted):
                 continue  # its scores could not be reused anyway
             shared = min(common_prefix_length(prompt, other.request.prompt_ids), len(prompt) - 1)
@@ -384,7 +393,13 @@ class Scheduler:
         """The sequence ends; its slot keeps what it cached for prompts that share it."""
         seq.finish_reason = reason
         self.cache.free(seq.slot)
-        self.prefix.keep(seq.slot, seq.token_ids[: seq.cached], state.scored_prefix)
+        self.prefix.keep(seq.slot, seq.token_ids[: seq.cached], state.scored_prefix, seq.adapter)
+
+    def adapter_in_use(self, adapter: int) -> bool:
+        """Whether a running or waiting request uses the adapter."""
+        with self._lock:
+            waiting = [state for submission in self._waiting for state in submission]
+        return any(state.adapter == adapter for state in self.running + waiting)
 
     def drop_finished(self, finished: list[RequestState]) -> None:
         gone = {id(state) for state in finished}

@@ -101,6 +101,7 @@ class GenerationRequest:
     prompt_ids: list[int]
     params: SamplingParams
     arrival_time: float  # time.monotonic() when the HTTP layer received it
+    adapter: str | None = None  # a LoRA adapter's name (model/lora.py); None: the base model
 
 
 @dataclass
