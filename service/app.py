@@ -1,8 +1,9 @@
 """Builds the FastAPI application: reads the model's config and tokenizer, starts the engine core
 and the analysis process, mounts the routes.
 
-The one module above both sides: it imports service/http/ and service/analysis/, which import
-each other not at all, only service/common/ below them (tests/model/test_layering.py).
+Above both sides (with service/routes_adapters.py, which speaks to both processes): it imports
+service/http/ and service/analysis/, which import each other not at all, only service/common/
+below them (tests/model/test_layering.py).
 
 Request path: Framing (400: CL+TE) → HostAllowList (400, optional) → Drain (503 after SIGTERM)
 → BearerAuth (optional) → RequestMetrics → BodyLimit (413 before parsing)
@@ -27,6 +28,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from starlette.types import Receive, Scope, Send
 
 from model.quantized import quantize_problem
+from service import routes_adapters
 from service.analysis import inspection
 from service.analysis import routes as analysis_routes
 from service.analysis.protocol import analysis_address
@@ -157,7 +159,7 @@ async def start_processes(state: ServiceState, analysis: AnalysisClient) -> None
 def include_routes(app: FastAPI) -> list[str]:
     """Mount every router; returns the route paths (the metrics' endpoint label values)."""
     routers = [api.router, routes_tgi.router, routes_openai.router, routes_tokenizer.router, analysis_routes.router,
-               inspection.router]
+               inspection.router, routes_adapters.router]
     for each in routers:
         app.include_router(each)
     return [route.path for each in routers for route in each.routes]

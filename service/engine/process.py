@@ -28,6 +28,8 @@ from service.engine.core import EngineConfig, EngineCore
 from service.engine.grammar import Grammars
 from service.engine.protocol import (
     AbortRequests,
+    AdapterCommand,
+    AdapterNames,
     AddRequests,
     CoreExit,
     CoreOutput,
@@ -77,7 +79,7 @@ def run_core(config: CoreProcessConfig) -> None:
     loop = CoreLoop(inputs, outputs, parent)
     try:
         loop.core = build_core(config)
-        loop.send_all(CoreReady(os.getpid()))
+        loop.send_all(CoreReady(os.getpid(), loop.core.adapters.names))
         reason = loop.run()
     except Exception as exc:
         log.exception("engine core failed")
@@ -156,7 +158,18 @@ class CoreLoop:
             # A restarted HTTP process: its predecessor's requests have nobody to go to.
             for request_id in self.owners.of_client(message.client) if self.owners else []:
                 self.core.cancel(request_id)
-            self._send_to(message.client, CoreReady(os.getpid()))
+            self._send_to(message.client, CoreReady(os.getpid(), self.core.adapters.names))
+        elif isinstance(message, AdapterCommand):
+            error = None
+            try:
+                if message.folder is None:
+                    self.core.adapters.unload(message.name)
+                else:
+                    self.core.adapters.load(message.name, message.folder)
+            except (ValueError, OSError) as exc:  # AdapterError is a ValueError: one line naming what is wrong
+                error = str(exc)
+            # Every HTTP process learns the new list; the sender also gets its answer.
+            self.send_all(AdapterNames(self.core.adapters.names, message.client, message.ticket, error))
         elif isinstance(message, Shutdown):
             self.stopping = True
             self.core.scheduler.close()

@@ -41,8 +41,28 @@ class Shutdown(msgspec.Struct, tag=True):
     timeout: float | None = None
 
 
+class AdapterCommand(msgspec.Struct, tag=True):
+    """Load a LoRA adapter (a peft folder) under a name, or unload it (folder None)."""
+
+    ticket: int  # the sender's number for it: the answer carries it back
+    name: str
+    folder: str | None
+    client: int = 0
+
+
 class CoreReady(msgspec.Struct, tag=True):
     pid: int
+    adapters: list[str] = []  # the LoRA adapters requests may name
+
+
+class AdapterNames(msgspec.Struct, tag=True):
+    """The adapters requests may name, sent to every HTTP process after each AdapterCommand;
+    the sender's answer (its client and ticket) with the refusal's reason, if any."""
+
+    names: list[str]
+    client: int = -1
+    ticket: int = -1
+    error: str | None = None
 
 
 class CoreOutput(msgspec.Struct, tag=True):
@@ -55,8 +75,8 @@ class CoreExit(msgspec.Struct, tag=True):
     reason: str
 
 
-ToCore = AddRequests | AbortRequests | Hello | Shutdown
-FromCore = CoreReady | CoreOutput | CoreExit
+ToCore = AddRequests | AbortRequests | Hello | Shutdown | AdapterCommand
+FromCore = CoreReady | CoreOutput | CoreExit | AdapterNames
 
 encoder = msgspec.msgpack.Encoder()
 to_core = msgspec.msgpack.Decoder(ToCore)

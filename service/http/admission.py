@@ -240,7 +240,10 @@ def new_request_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def generation_requests(prompts: list[Prompt], params: SamplingParams, prefix: str) -> list[GenerationRequest]:
-    """One engine request per prompt, all stamped with the same arrival time."""
+def generation_requests(
+    prompts: list[Prompt], params: SamplingParams, prefix: str, adapter: str | None = None
+) -> list[GenerationRequest]:
+    """One engine request per prompt, all stamped with the same arrival time; `adapter`: the
+    LoRA adapter they run with (None: the base model)."""
     now = time.monotonic()
-    return [GenerationRequest(new_request_id(prefix), p.ids, params, now) for p in prompts]
+    return [GenerationRequest(new_request_id(prefix), p.ids, params, now, adapter) for p in prompts]

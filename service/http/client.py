@@ -25,6 +25,7 @@ in-flight count every HTTP process shares (service/http/core_link.py).
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import multiprocessing
 import os
@@ -39,6 +40,8 @@ import zmq.asyncio
 from service.engine.process import CoreProcessConfig, run_core
 from service.engine.protocol import (
     AbortRequests,
+    AdapterCommand,
+    AdapterNames,
     AddRequests,
     CoreExit,
     CoreOutput,
@@ -106,6 +109,11 @@ class EngineClient:
         self._shutdown: Shutdown | None = None
         self._shutdown_sent = False
         self._dead = False
+        # The LoRA adapters requests may name, as the core last said (it tells every HTTP
+        # process after each load or unload), and the answers awaited by ticket.
+        self.adapters: list[str] = []
+        self._adapter_answers: dict[int, asyncio.Future] = {}
+        self._tickets = itertools.count()
 
     # --- life cycle ------------------------------------------------------------------------------
     async def start(self, timeout: float = 300.0) -> None:
@@ -136,6 +144,7 @@ class EngineClient:
         if not isinstance(ready, CoreReady):
             await self._kill()
             raise RuntimeError(getattr(ready, "reason", f"unexpected first message {ready!r}"))
+        self.adapters = list(ready.adapters)
         # Its own child's sentinel; another's pid, through a pidfd: either is readable at its end.
         self._core_fd = self._process.sentinel if self._process is not None else os.pidfd_open(ready.pid)
         loop = asyncio.get_running_loop()
@@ -291,6 +300,29 @@ class EngineClient:
         if self._shared is not None:
             self._shared.publish(len(self.outputs))
 
+    async def adapter_command(self, name: str, folder: str | None, timeout: float = 300.0) -> None:
+        """Load the peft folder as LoRA adapter `name` in the engine core, or unload it (folder
+        None). Raises ValueError with the core's one-line reason when it refuses."""
+        if not self.running:
+            raise RuntimeError("the engine core is not running")
+        ticket = next(self._tickets)
+        answer = asyncio.get_running_loop().create_future()
+        self._adapter_answers[ticket] = answer
+        self._send(AdapterCommand(ticket, name, folder, self.link.index if self.link is not None else 0))
+        try:
+            error = await asyncio.wait_for(answer, timeout)
+        finally:
+            self._adapter_answers.pop(ticket, None)
+        if error is not None:
+            raise ValueError(error)
+
+    def _take_adapter_names(self, message: AdapterNames) -> None:
+        self.adapters = list(message.names)
+        mine = message.client == (self.link.index if self.link is not None else 0)
+        answer = self._adapter_answers.get(message.ticket) if mine else None
+        if answer is not None and not answer.done():
+            answer.set_result(message.error)
+
     def _send(self, message) -> None:
         # A PUSH to a connected peer does not block below its high-water mark (1000 messages).
         self._to_core.send(encoder.encode(message), copy=False)
@@ -313,6 +345,8 @@ class EngineClient:
             self._stop_reading()
         elif isinstance(message, CoreOutput):
             self._take_step(message)
+        elif isinstance(message, AdapterNames):
+            self._take_adapter_names(message)
 
     def _stop_reading(self) -> None:
         if self._reader is None or self._reader.done():
@@ -381,6 +415,9 @@ class EngineClient:
 
     def _deliver_failures(self, message: str) -> None:
         self._sinks.clear()
+        for answer in self._adapter_answers.values():
+            if not answer.done():
+                answer.set_exception(RuntimeError(message))
         for failed in self.outputs.fail_all(message):
             queue = self._queues.pop(failed.request_id, None)
             if queue is not None:

@@ -22,7 +22,7 @@ from service.http.admission import (
     prompts_from_ids,
     tokenize_off_loop,
 )
-from service.common.errors import ApiError, error_body, validation_error
+from service.common.errors import ApiError, error_body
 from service.http.generation import CallStreams
 from service.common.metrics import set_outcome
 from service.engine.types import FinishedRequest, FinishedSequence, GenerationRequest, TokenEvent
@@ -37,11 +37,14 @@ from weights.tokenizer import GPT2Tokenizer
 router = APIRouter(prefix="/v1", tags=["OpenAI"])
 
 
-@router.get("/models", response_model=ModelList, summary="The one model served")
+@router.get("/models", response_model=ModelList, summary="The base model and each LoRA adapter served")
 async def list_models(request: Request) -> dict:
     state = service_state(request)
-    card = {"id": state.settings.model_name, "object": "model", "created": int(state.started_at), "owned_by": "gpt2-serve"}
-    return {"object": "list", "data": [card]}
+    base = state.settings.model_name
+    card = {"id": base, "object": "model", "created": int(state.started_at), "owned_by": "gpt2-serve"}
+    # Each LoRA adapter as a model of its own, as vLLM lists them: its parent is the base.
+    adapters = [{**card, "id": name, "parent": base} for name in state.adapters]
+    return {"object": "list", "data": [card, *adapters]}
 
 
 @router.post(
@@ -103,8 +106,7 @@ class Call:
 
 async def admit(state: ServiceState, body: CompletionRequest) -> Call:
     limits = state.limits
-    if body.model != state.settings.model_name:
-        raise validation_error(f"model {body.model!r} is not served here; this server serves {state.settings.model_name!r}")
+    adapter = state.served_adapter(body.model)  # the base model's name, or a LoRA adapter's
     params = openai_sampling(body, limits, state.grammars)
     entries = body.prompt_list
     check_count("the number of prompts", len(entries), limits.max_prompts)
@@ -115,8 +117,8 @@ async def admit(state: ServiceState, body: CompletionRequest) -> Call:
         prompts = prompts_from_ids(state.tokenizer, entries, limits)
     check_lengths(prompts, params.max_new_tokens, limits)
     copies = body.n if params.num_return_sequences == 1 else 1
-    requests = generation_requests([p for p in prompts for _ in range(copies)], params, "cmpl")
-    return Call(body, prompts, requests, state.settings.model_name)
+    requests = generation_requests([p for p in prompts for _ in range(copies)], params, "cmpl", adapter)
+    return Call(body, prompts, requests, body.model)
 
 
 # --- whole answers -------------------------------------------------------------------------------

@@ -102,7 +102,7 @@ class TGIParameters(StrictRequest):
     watermark: bool = False
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     grammar: TGIGrammar | None = Field(None, description="constrain the output to a JSON schema or a regex")
-    adapter_id: str | None = Field(None, max_length=200)
+    adapter_id: str | None = Field(None, min_length=1, max_length=200, description="a LoRA adapter served (GET /v1/models)")
     # Extensions beyond TGI, with transformers' meanings.
     num_beams: int = Field(1, ge=1, le=64)
     length_penalty: float = Field(1.0, ge=-100.0, le=100.0)
@@ -119,8 +119,7 @@ class TGIParameters(StrictRequest):
     @model_validator(mode="after")
     def _consistent(self) -> "TGIParameters":
         check_temperature(self.temperature, greedy_zero=False)
-        for name, neutral in (("watermark", (False,)), ("frequency_penalty", (None, 0.0)),
-                              ("adapter_id", (None,))):
+        for name, neutral in (("watermark", (False,)), ("frequency_penalty", (None, 0.0))):
             if getattr(self, name) not in neutral:
                 raise ValueError(f"{name} is not supported by this server")
         if any(not s for s in self.stop):
@@ -393,6 +392,24 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str
+    parent: str | None = None  # a LoRA adapter's base model (vLLM's card)
+
+
+# Names a LoRA adapter may have: what a URL path segment and a metric label carry as they are.
+ADAPTER_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+
+
+class LoadAdapterRequest(BaseModel):
+    """vLLM's POST /v1/load_lora_adapter body."""
+
+    model_config = ConfigDict(extra="forbid")
+    lora_name: str = Field(pattern=ADAPTER_NAME, description="the name requests will give it (OpenAI model, TGI adapter_id)")
+    lora_path: str = Field(min_length=1, max_length=4096, description="its peft folder on the server's machine")
+
+
+class UnloadAdapterRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    lora_name: str = Field(pattern=ADAPTER_NAME)
 
 
 class ModelList(BaseModel):

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from starlette.requests import Request
 
+from service.common.errors import ApiError
 from service.common.state import SharedState
 from service.http.admission import Limits
 from service.engine.grammar import Grammars
@@ -30,6 +31,22 @@ class ServiceState(SharedState):
             self.limits = Limits.from_settings(self.settings, config.n_positions, config.vocab_size)
         if self.grammars is None:
             self.grammars = GrammarChecker(Grammars.for_tokenizer(self.tokenizer, config.vocab_size), self.metrics)
+
+
+    @property
+    def adapters(self) -> list[str]:
+        """The LoRA adapters a request may name (the engine core's list)."""
+        return self.client.adapters if self.client is not None else []
+
+    def served_adapter(self, name: str | None) -> str | None:
+        """A request's model or adapter name → its adapter (None: the base model). ApiError 404
+        naming it when nothing by that name is served."""
+        if name is None or name == self.settings.model_name:
+            return None
+        if name in self.adapters:
+            return name
+        served = ", ".join(repr(n) for n in [self.settings.model_name, *self.adapters])
+        raise ApiError(404, "not_found", f"model {name!r} is not served here; this server serves {served}")
 
 
 def service_state(request: Request) -> ServiceState:

@@ -1,0 +1,93 @@
+"""LoRA adapters over HTTP: chosen by OpenAI's `model` and TGI's `adapter_id`, listed by
+/v1/models, loaded and unloaded at run time behind the API key (vLLM's admin routes)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from fastapi.testclient import TestClient
+
+from service.app import create_app
+from tests.engine.conftest import hf_generate
+from tests.model.test_lora import PEFT_CONFIGS, load_reference_model, peft_adapter
+from tests.service.conftest import settings_for
+
+peft = pytest.importorskip("peft")
+KEY = {"Authorization": "Bearer k"}
+
+
+@pytest.fixture(scope="module")
+def adapter_dirs(tiny_model_dir, tmp_path_factory) -> dict:
+    return {name: peft_adapter(tmp_path_factory.mktemp(name), tiny_model_dir, seed=seed, **PEFT_CONFIGS[config])
+            for seed, (name, config) in enumerate([("poems", "all-modules"), ("comedies", "rslora"), ("later", "attention-only")])}
+
+
+@pytest.fixture(scope="module")
+def served(tiny_model_dir, adapter_dirs):
+    settings = settings_for(tiny_model_dir, api_key="k", lora=[f"{n}={adapter_dirs[n]}" for n in ("poems", "comedies")])
+    with TestClient(create_app(settings), headers=KEY) as client:
+        yield client
+
+
+def completion_ids(client, model: str, prompt: list[int], max_tokens: int = 8):
+    return client.post("/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
+
+
+@torch.inference_mode()
+def test_each_name_serves_its_own_model(served, tiny_model_dir, adapter_dirs, tokenizer):
+    models = served.get("/v1/models").json()["data"]
+    assert [(m["id"], m.get("parent")) for m in models] == [("gpt2", None), ("poems", "gpt2"), ("comedies", "gpt2")]
+    prompt = [464, 2068, 7586, 21831]
+    texts = {}
+    for name in ("gpt2", "poems", "comedies"):
+        response = completion_ids(served, name, prompt)
+        assert response.status_code == 200, response.text
+        assert response.json()["model"] == name
+        texts[name] = response.json()["choices"][0]["text"]
+    assert len(set(texts.values())) == 3  # each adapter changes what is written
+    # What peft's own model on transformers' GPT-2 writes with the same folder, greedy.
+    reference = peft.PeftModel.from_pretrained(load_reference_model(tiny_model_dir), adapter_dirs["poems"]).eval()
+    assert texts["poems"] == tokenizer.decode(hf_generate(reference, prompt, 8))
+    tgi = served.post("/generate", json={"inputs": "The quick brown fox", "parameters": {"max_new_tokens": 8, "adapter_id": "poems"}})
+    openai = served.post("/v1/completions", json={"model": "poems", "prompt": "The quick brown fox", "max_tokens": 8, "temperature": 0})
+    assert tgi.status_code == 200 and tgi.json()["generated_text"] == openai.json()["choices"][0]["text"]
+
+
+def test_unknown_names_are_refused_naming_what_is_served(served):
+    openai = completion_ids(served, "sonnets", [1, 2, 3])
+    assert openai.status_code == 404 and "'sonnets'" in openai.json()["error"] and "'poems'" in openai.json()["error"]
+    tgi = served.post("/generate", json={"inputs": "x", "parameters": {"max_new_tokens": 2, "adapter_id": "sonnets"}})
+    assert tgi.status_code == 404 and "'sonnets'" in tgi.json()["error"]
+
+
+def test_adapters_load_and_unload_at_run_time_losing_nothing(served, adapter_dirs, tmp_path):
+    refused = served.post("/v1/load_lora_adapter", json={"lora_name": "empty", "lora_path": str(tmp_path)})
+    assert refused.status_code == 422 and "adapter_config.json" in refused.json()["error"]
+    taken = served.post("/v1/load_lora_adapter", json={"lora_name": "poems", "lora_path": str(adapter_dirs["later"])})
+    assert taken.status_code == 422
+    loaded = served.post("/v1/load_lora_adapter", json={"lora_name": "later", "lora_path": str(adapter_dirs["later"])})
+    assert loaded.status_code == 200, loaded.text
+    assert "later" in [m["id"] for m in served.get("/v1/models").json()["data"]]
+    body = {"model": "later", "prompt": [5, 6, 7], "max_tokens": 40, "temperature": 0}
+    expected = served.post("/v1/completions", json=body).json()["choices"][0]["text"]
+    # Unloaded while a request runs with it: that request finishes as it would have.
+    results = {}
+    running = threading.Thread(target=lambda: results.update(r=served.post("/v1/completions", json=body)))
+    running.start()
+    unloaded = served.post("/v1/unload_lora_adapter", json={"lora_name": "later"})
+    running.join(60)
+    assert unloaded.status_code == 200, unloaded.text
+    assert results["r"].status_code in (200, 404)  # 404 only if the unload came first
+    if results["r"].status_code == 200:
+        assert results["r"].json()["choices"][0]["text"] == expected
+    assert completion_ids(served, "later", [1, 2]).status_code == 404
+    assert served.post("/v1/unload_lora_adapter", json={"lora_name": "later"}).status_code == 404
+    assert "later" not in [m["id"] for m in served.get("/v1/models").json()["data"]]
+
+
+def test_run_time_changes_need_the_api_key(tiny_model_dir, adapter_dirs):
+    with TestClient(create_app(settings_for(tiny_model_dir))) as open_server:
+        answer = open_server.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": str(adapter_dirs["later"])})
+        assert answer.status_code == 403 and "--api-key" in answer.json()["error"]
