@@ -17,7 +17,7 @@ endif
 # machine, `make test-cuda TORCH_CPU=torch==2.13.0+cu130` (or any CUDA build) installs that instead.
 TORCH_CPU ?= torch==2.13.0
 
-.PHONY: install system-deps weights serve test test-floors test-cuda test-overlap gpu-check test-api-servers fuzz-invariance reliability bench-serve ln-experiment llama-cpp gguf bench-llama-cpp clean
+.PHONY: install system-deps weights serve serve-lora test test-floors test-cuda test-overlap gpu-check test-api-servers fuzz-invariance reliability bench-serve ln-experiment llama-cpp gguf bench-llama-cpp clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -37,6 +37,15 @@ weights/shakespeare/ORIGIN.json: | weights
 
 serve: weights $(MODEL_DEPS)
 	$(PY) -m service --model-dir $(MODEL_DIR) --model-name $(MODEL) --host $(HOST) --port $(PORT)
+
+# LoRA adapters fine-tuned here on the Shakespeare model (weights/train_lora.py; docs/lora.md),
+# each trained once, then the model served with both side by side.
+weights/lora-%/adapter_config.json: | weights/shakespeare/ORIGIN.json
+	$(PY) -m weights.train_lora --base weights/shakespeare --slice $* --out weights/lora-$*
+
+serve-lora: weights weights/shakespeare/ORIGIN.json weights/lora-poems/adapter_config.json weights/lora-comedies/adapter_config.json
+	$(PY) -m service --model-dir weights/shakespeare --model-name shakespeare --host $(HOST) --port $(PORT) \
+	    --lora poems=weights/lora-poems --lora comedies=weights/lora-comedies
 
 # Pre-LN against Post-LN twins trained side by side (docs/analysis.md); ~30 min on 2 cores, opt-in.
 LN_RUNS := runs/ln-experiment

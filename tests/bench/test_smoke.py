@@ -63,6 +63,11 @@ def test_bench_overlap_keeps_the_tokens(tiny_model_dir):
     assert_columns(out, "B=   1", "B=   3", "on/off", "identical True")
 
 
+def test_bench_lora_serves_clients_on_adapters_and_base(tiny_model_dir):
+    out = run_bench("bench_lora", "--smoke", "--model-dir", tiny_model_dir)
+    assert_columns(out, "clients on", "base", "adapters", "adapters / base:", "one resident adapter:")
+
+
 def test_profile_decode(tiny_model_dir):
     out = run_bench("profile_decode", "--model-dir", tiny_model_dir, "--threads", 1, "--steps", 1, "--context", 16,
                     "--engine", "--batch", 2)
