@@ -27,6 +27,7 @@ export function setModel(config) {
   const head = $("attention-head");
   layer.replaceChildren(...Array.from({ length: config.n_layer }, (_, i) => new Option(String(i), String(i))));
   head.replaceChildren(...Array.from({ length: config.n_head }, (_, i) => new Option(String(i), String(i))));
+  refreshAdapters(); // once the server has answered /info (with the key, where it needs one)
 }
 
 // "gpt2" or "gpt2 + poems": a report's model, with the adapter applied to it if any.
@@ -35,13 +36,17 @@ function modelName(report) {
 }
 
 // The adapter choice: the base model, then every adapter the analysis side has loaded now.
-export async function listAdapters() {
-  const select = $("inspect-adapter");
-  const chosen = select.value;
+async function listAdapters() {
   const { adapters } = await getJson("/analyze/adapters");
+  const select = $("inspect-adapter");
+  const chosen = select.value; // read after the request: the user may have chosen meanwhile
   select.replaceChildren(new Option("none (the base model)", ""), ...adapters.map((name) => new Option(name, name)));
   select.value = adapters.includes(chosen) ? chosen : "";
   select.disabled = adapters.length === 0;
+}
+
+function refreshAdapters() {
+  listAdapters().catch((failure) => failure.status === 401 || showError($("inspect-error"), failure));
 }
 
 function svg(tag, attributes, parent) {
@@ -253,9 +258,7 @@ function moveCursor(event) {
 
 export function setUpInspect() {
   // Adapters are loaded and unloaded at run time: the list is read again whenever it is opened.
-  const refresh = () => listAdapters().catch((failure) => showError($("inspect-error"), failure));
-  $("inspect-adapter").addEventListener("focus", refresh);
-  refresh();
+  $("inspect-adapter").addEventListener("focus", refreshAdapters);
   $("inspect-form").addEventListener("submit", (event) => {
     event.preventDefault();
     inspect();
