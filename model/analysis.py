@@ -25,6 +25,7 @@ from model.attention_bounds import (
 )
 from model.config import GPT2Config
 from model.gpt2 import GPT2
+from model.lora import AppliedAdapter
 from model.post_ln import PostLNConfig, PostLNGPT
 from model.spectral import top_singular
 
@@ -138,14 +139,19 @@ class SpectrumReport:
 
 
 def analyze(
-    model: AnalysedModel, token_ids: list[list[int]], method: str = "fast", layers: list[int] | None = None
+    model: AnalysedModel,
+    token_ids: list[list[int]],
+    method: str = "fast",
+    layers: list[int] | None = None,
+    adapter: AppliedAdapter | None = None,
 ) -> SpectrumReport:
-    """Run the experiment on sequences of token ids (see `check_inputs` for what is accepted)."""
+    """Run the experiment on sequences of token ids (see `check_inputs` for what is accepted);
+    with `adapter`, on the fine-tuned model: its forward, and its merged weights' spectra."""
     check_inputs(model.config, token_ids, layers)
     layers = list(range(model.config.n_layer)) if layers is None else sorted(set(layers))
-    weights = cached_weight_spectra(model)
+    weights = cached_weight_spectra(model, adapter)
     seconds = {"forward": 0.0, "spectral_norm": 0.0}
-    sequences = [analyze_sequence(model, ids, method, layers, seconds) for ids in token_ids]
+    sequences = [analyze_sequence(model, ids, method, layers, seconds, adapter) for ids in token_ids]
     return SpectrumReport(method=method, layers=layers, sequences=sequences, weights=weights, seconds=seconds)
 
 
@@ -188,7 +194,12 @@ def check_layers(config: GPT2Config | PostLNConfig, layers: list[int] | None) ->
 
 
 def analyze_sequence(
-    model: AnalysedModel, token_ids: list[int], method: str, layers: list[int], seconds: dict[str, float]
+    model: AnalysedModel,
+    token_ids: list[int],
+    method: str,
+    layers: list[int],
+    seconds: dict[str, float],
+    adapter: AppliedAdapter | None = None,
 ) -> SequenceSpectrum:
     n = len(token_ids)
     started = time.perf_counter()
@@ -196,7 +207,7 @@ def analyze_sequence(
         ids = torch.tensor([token_ids], device=model.device)  # [1, n]
         # Only the last token goes through the LM head: the analysis never reads logits.
         last = torch.tensor([n - 1], device=model.device)  # [1]
-        out = model(ids, logits_index=last, output_attentions=True, output_hidden_states=True)
+        out = model(ids, logits_index=last, output_attentions=True, output_hidden_states=True, **lora_of(adapter, 1))
         hidden = torch.stack(out.hidden_states)[:, 0].float()  # [L + 1, n, d]
         centred = hidden - hidden.mean(dim=1, keepdim=True)  # [L + 1, n, d]
         residual_norm = centred.norm(dim=(1, 2))  # [L + 1]
@@ -227,16 +238,24 @@ def analyze_sequence(
     )
 
 
-_spectra_cache: weakref.WeakKeyDictionary[AnalysedModel, WeightSpectra] = weakref.WeakKeyDictionary()
+def lora_of(adapter: AppliedAdapter | None, batch_size: int) -> dict:
+    """The forward's keyword for a batch that uses `adapter` on every row; none for the base (a
+    Post-LN model's forward takes no adapters)."""
+    return {} if adapter is None else {"lora": adapter.rows(batch_size)}
+
+
+_spectra_cache: weakref.WeakKeyDictionary[AnalysedModel | AppliedAdapter, WeightSpectra] = weakref.WeakKeyDictionary()
 _spectra_lock = threading.Lock()
 
 
-def cached_weight_spectra(model: AnalysedModel) -> WeightSpectra:
-    """The weight spectra of a model, computed on first use and kept as long as the model lives."""
+def cached_weight_spectra(model: AnalysedModel, adapter: AppliedAdapter | None = None) -> WeightSpectra:
+    """The weight spectra of a model (with `adapter`: its merged weights), computed on first use
+    and kept as long as the model (the applied adapter) lives."""
+    key = model if adapter is None else adapter
     with _spectra_lock:
-        if model not in _spectra_cache:
-            _spectra_cache[model] = weight_spectra(model)
-        return _spectra_cache[model]
+        if key not in _spectra_cache:
+            _spectra_cache[key] = weight_spectra(model, None if adapter is None else adapter.merged_weight)
+        return _spectra_cache[key]
 
 
 def _bound_summary(bound: torch.Tensor, values: torch.Tensor, valid: bool) -> dict:

@@ -14,6 +14,7 @@ the embeddings directly, the largest token plus the largest position embedding.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -46,13 +47,15 @@ class WeightSpectra:
         return {name: getattr(self, name).tolist() for name in self.__dataclass_fields__}
 
 
-def weight_spectra(model: GPT2 | PostLNGPT) -> WeightSpectra:
-    """Every weight-only quantity of docs/analysis.md, in float64 (computed once per model)."""
+def weight_spectra(model: GPT2 | PostLNGPT, weight_of: Callable[[nn.Module], torch.Tensor] | None = None) -> WeightSpectra:
+    """Every weight-only quantity of docs/analysis.md, in float64 (computed once per model).
+    `weight_of`: each Conv1D's [in, out] weight as analysed (a LoRA adapter's merged one); default its own."""
+    weight_of = weight_of or (lambda module: module.weight)
     config = model.config
     d, heads, d_h = config.n_embd, config.n_head, config.head_dim
     per_head: dict[str, list[torch.Tensor]] = {k: [] for k in ("q", "k", "v", "bq", "bk")}
     for block in model.h:
-        weight = block.attn.c_attn.weight.detach().double().cpu()  # [d, 3d], stored [in, out]
+        weight = weight_of(block.attn.c_attn).detach().double().cpu()  # [d, 3d], stored [in, out]
         bias = block.attn.c_attn.bias.detach().double().cpu()  # [3d]
         for name, part in zip("qkv", weight.split(d, dim=1)):  # 3 × [d, d]
             per_head_part = part.reshape(d, heads, d_h).transpose(0, 1)  # [H, d, d_h]
@@ -62,7 +65,7 @@ def weight_spectra(model: GPT2 | PostLNGPT) -> WeightSpectra:
     q, k, v, bq, bk = (torch.stack(per_head[name]) for name in ("q", "k", "v", "bq", "bk"))  # [L, H]
     # One batched call per kind of per-layer matrix, each stacked [L, r, c].
     o, fc, proj = (
-        _spectral_norms(torch.stack([block.get_submodule(module).weight.detach().double().cpu() for block in model.h]))
+        _spectral_norms(torch.stack([weight_of(block.get_submodule(module)).detach().double().cpu() for block in model.h]))
         for module in ("attn.c_proj", "mlp.c_fc", "mlp.c_proj")
     )  # [L] each
     gamma, beta, radius = attention_input_bounds(model)  # [L] each

@@ -129,6 +129,30 @@ class LoraSet:
     def delta(self, index: int, module: nn.Module) -> SiteDelta | None:
         return self._adapters[index].get(self._site_of.get(module))
 
+    def applied(self, name: str) -> AppliedAdapter:
+        """The adapter as one model to analyse: every row of a forward uses it."""
+        return AppliedAdapter(self, name, self.index(name))
+
+
+@dataclass(frozen=True, eq=False)  # hashed by identity: caches keyed on it go with it
+class AppliedAdapter:
+    """One resident adapter applied to the whole model, as an analysis of the fine-tune reads it."""
+
+    adapters: LoraSet
+    name: str
+    index: int
+
+    def rows(self, batch_size: int) -> LoraRows:
+        return self.adapters.rows([self.index] * batch_size)
+
+    def merged_weight(self, module: Conv1D) -> torch.Tensor:
+        """The Conv1D's weight [in, out] with the delta merged, W + scaling·(B A)ᵀ: what peft's
+        merge_and_unload leaves in GPT-2's Conv1D (fan_in_fan_out). The weight itself if not adapted."""
+        delta = self.adapters.delta(self.index, module)
+        if delta is None:
+            return module.weight
+        return module.weight + delta.scaling * (delta.a_t @ delta.b_t)
+
 
 @dataclass
 class LoraRows:
@@ -191,4 +215,4 @@ class LoraGroups:
         return y.index_copy(0, adapted, activated)
 
 
-__all__ = ["AdapterError", "BASE", "LoraGroups", "LoraRows", "LoraSet", "SiteDelta"]
+__all__ = ["AdapterError", "AppliedAdapter", "BASE", "LoraGroups", "LoraRows", "LoraSet", "SiteDelta"]

@@ -1,7 +1,7 @@
 """Fine-tune a model folder with LoRA on a slice of the Shakespeare corpus; write a peft adapter.
 
     python -m weights.train_lora [--base weights/shakespeare] [--out weights/lora-poems]
-                                 [--slice poems|comedies] [--rank 16] [--alpha 32] [--steps 150] [--seed 0]
+                                 [--slice poems|comedies] [--rank 16] [--alpha 32] [--steps 150] [--lr 2e-3] [--seed 0]
 
 The base stays frozen; only each block's LoRA A and B (c_attn, c_proj, c_fc) are trained, through
 the model's own adapter path (model/lora.py, the code that serves them) and weights/trainer.py's
@@ -170,13 +170,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--alpha", type=float, default=32.0)
     parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--lr", type=float, default=2e-3, help="AdamW's peak learning rate (cosine decay to a tenth)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     if not (args.base / "config.json").exists():
         sys.exit(f"{args.base}: no model folder (python -m weights.train --out {args.base} trains one)")
     out = args.out or REPO_WEIGHTS / f"lora-{args.slice}"
     started = time.perf_counter()
-    record = train_lora(args.base, out, args.slice, rank=args.rank, alpha=args.alpha, steps=args.steps, seed=args.seed)
+    record = train_lora(args.base, out, args.slice, rank=args.rank, alpha=args.alpha, steps=args.steps,
+                        lr=args.lr, seed=args.seed)
     print(f"wrote {out} after {record['steps_done']} steps in {time.perf_counter() - started:.0f} s")
     print(f"held-out loss on {', '.join(record['heldout_works'])} ({record['heldout_tokens']:,} tokens), nats per token:")
     print(f"  base          {record['heldout_loss_before']:.4f}")

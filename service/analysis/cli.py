@@ -1,8 +1,9 @@
-"""gpt2-analyze --model-dir DIR [--model-dir DIR2 ...] --texts FILE --json OUT --svg OUT
+"""gpt2-analyze --model-dir DIR [--model-dir DIR2 ...] [--lora NAME=DIR ...] --texts FILE --json OUT --svg OUT
 
 Runs /analyze/spectrum's analysis without a server: the same JSON report and SVG figure for the
 texts of a file. Several --model-dir (GPT-2 and Post-LN GPT-1 folders) are measured on the same
-texts and drawn on one plot, the document's Pre-LN against Post-LN figure. FILE is a JSON list
+texts and drawn on one plot, the document's Pre-LN against Post-LN figure; each --lora adds the
+first model with that LoRA adapter applied, a fine-tune beside its base. FILE is a JSON list
 of strings, a CSV with a `token_sequence` column (the source document's input), or plain text
 with one text per non-empty line.
 """
@@ -15,9 +16,10 @@ import json
 import sys
 from pathlib import Path
 
+from model.lora import LoraSet
 from model.spectral import METHODS
 from service.analysis.figure import FigureUnavailable, check_available, render_svg
-from service.analysis.report import check_request, combined, encode, load_subject, reports
+from service.analysis.report import Subject, check_request, combined, encode, load_subject, reports
 from model.config import DTYPES
 from weights.checkpoint import CheckpointError
 
@@ -53,13 +55,29 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", choices=list(DTYPES), default="float32")
     parser.add_argument("--name", action="append", help="model name in the report, one per --model-dir; default the folder's name")
+    parser.add_argument(
+        "--lora", action="append", default=[], metavar="NAME=DIR",
+        help="also the first model with this peft LoRA adapter applied; repeat for several",
+    )
     args = parser.parse_args(argv)
     args.model_dir = args.model_dir or [DEFAULT_MODEL_DIR]
     if args.json is None and args.svg is None:
         parser.error("give --json and/or --svg")
     if args.name and len(args.name) != len(args.model_dir):
         parser.error(f"{len(args.name)} --name for {len(args.model_dir)} --model-dir; give one per model or none")
+    bad = [item for item in args.lora if not all(part.strip() for part in item.partition("=")[::2])]
+    if bad:
+        parser.error(f"--lora {bad[0]!r}: expected NAME=DIR")
+    args.lora = [tuple(part.strip() for part in item.partition("=")[::2]) for item in args.lora]
     return args
+
+
+def with_adapters(base: Subject, adapters: list[tuple[str, str]]) -> list[Subject]:
+    """The base model with each adapter applied in turn (AdapterError, a ValueError, if refused)."""
+    resident = LoraSet(base.model)
+    for name, folder in adapters:
+        resident.load(name, folder)
+    return [Subject(base.name, base.model, base.tokenizer, resident.applied(name)) for name, _ in adapters]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -73,6 +91,7 @@ def main(argv: list[str] | None = None) -> None:
             load_subject(path, device=args.device, dtype=DTYPES[args.dtype], name=name)
             for path, name in zip(args.model_dir, names)
         ]
+        subjects += with_adapters(subjects[0], args.lora)
         token_ids = encode(subjects, texts, None)
         check_request(subjects, token_ids, args.layers)
     except (OSError, ValueError, CheckpointError, FigureUnavailable) as exc:
@@ -84,7 +103,8 @@ def main(argv: list[str] | None = None) -> None:
         args.svg.write_text(render_svg(measured))
     for report in measured:
         means = ", ".join(f"{entry['spectral_norm']['mean']:.4f}" for entry in report["layers"])
-        print(f"{report['model']['name']}: {len(texts)} texts, mean spectral norm per layer: {means}")
+        adapter = f" + {report['model']['adapter']}" if report["model"]["adapter"] else ""
+        print(f"{report['model']['name']}{adapter}: {len(texts)} texts, mean spectral norm per layer: {means}")
 
 
 if __name__ == "__main__":

@@ -104,7 +104,9 @@ def _draw_model(axes, report: dict, index: int, alone: bool) -> list[str]:
 
 
 def _name(report: dict) -> str:
-    return report.get("model", {}).get("name", "GPT-2")
+    model = report.get("model", {})
+    adapter = model.get("adapter")
+    return model.get("name", "GPT-2") + (f" + {adapter}" if adapter else "")
 
 
 def heatmaps_svg(maps, layers: list[int], tokens: list[str]) -> str:

@@ -32,6 +32,7 @@ class InspectRequest(BaseModel):
 
     text: str | None = Field(None, min_length=1, max_length=100_000)
     token_ids: list[int] | None = Field(None, min_length=1, max_length=100_000)
+    adapter: str | None = Field(None, max_length=200, description="a loaded LoRA adapter to apply to the model")
 
     @model_validator(mode="after")
     def _one_input(self) -> "InspectRequest":
@@ -62,13 +63,13 @@ async def attention(body: AttentionRequest, request: Request) -> Response:
         except FigureUnavailable as exc:
             raise validation_error(str(exc)) from None
     ids = await token_ids(request, body)
-    return await gated(request, Attention(ids, layers, body.format))
+    return await gated(request, Attention(ids, layers, body.format, body.adapter))
 
 
 @router.post("/analyze/logit-lens", responses=ERRORS, summary="The most likely next tokens read after every layer")
 async def lens(body: LensRequest, request: Request) -> Response:
     ids = await token_ids(request, body)
-    return await gated(request, Lens(ids, body.top_k))
+    return await gated(request, Lens(ids, body.top_k, body.adapter))
 
 
 async def token_ids(request: Request, body: InspectRequest) -> list[int]:

@@ -24,7 +24,7 @@ import signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -32,10 +32,13 @@ import zmq
 
 from model.analysis import cached_weight_spectra
 from model.config import DTYPES
+from model.lora import AppliedAdapter
 from model.introspect import attention_maps, logit_lens
+from service.analysis.adapters import AnalysedAdapters, UnknownAdapter
 from service.analysis.figure import SVG_MEDIA_TYPE, FigureUnavailable, heatmaps_svg, render_svg
 from service.analysis.protocol import (
-    Attention, Done, Failed, Hello, Lens, Ready, Refused, Reply, Request, Spectrum, encoder, requests,
+    Attention, Done, Failed, Hello, Lens, ListAdapters, LoadAdapter, Ready, Refused, Reply, Request, Spectrum,
+    UnloadAdapter, encoder, requests,
 )
 from service.analysis.report import Subject, check_request, combined, encode, load_subject, reports
 
@@ -63,6 +66,7 @@ class AnalysisProcessConfig:
     max_tokens: int | None  # per analysed text (/analyze/spectrum)
     compare_model_dir: Path | None = None
     compare_model_name: str | None = None
+    adapters: tuple[tuple[str, str], ...] = ()  # LoRA (name, peft folder) pairs to load at start
 
 
 def run_analysis(config: AnalysisProcessConfig, status=None) -> None:
@@ -78,16 +82,17 @@ def run_analysis(config: AnalysisProcessConfig, status=None) -> None:
     router.bind(config.address)
     results = context.socket(zmq.PULL)
     results.bind(RESULTS)
-    subjects, failure = [], None
+    subjects, adapters, failure = [], None, None
     try:
         subjects = load_subjects(config)
+        adapters = AnalysedAdapters(subjects[0].model, config.adapters)
     except Exception as exc:  # a bad checkpoint among them: every call is answered with why
         failure = str(exc) if isinstance(exc, (ValueError, OSError)) else f"{type(exc).__name__}: {exc}"
         log.error("cannot load the analysis models: %s", failure)
     if status is not None:
         status.send(failure)
         status.close()
-    analyst = Analyst(config, subjects) if failure is None else None
+    analyst = Analyst(config, subjects, adapters) if failure is None else None
     lower_priority()  # after loading: the server's start-up waits for that
     if analyst is not None:
         threading.Thread(target=analyst.warm, name="weight-spectra", daemon=True).start()
@@ -123,10 +128,11 @@ class Invalid(ValueError):
 class Analyst:
     """The loaded models and what each call computes: the body of the HTTP answer."""
 
-    def __init__(self, config: AnalysisProcessConfig, subjects: list[Subject]) -> None:
+    def __init__(self, config: AnalysisProcessConfig, subjects: list[Subject], adapters: AnalysedAdapters) -> None:
         self.config = config
         self.subjects = subjects
         self.main = subjects[0]
+        self.adapters = adapters
 
     def warm(self) -> None:
         """The weight spectra, computed while the server starts serving generation: the server's
@@ -141,13 +147,37 @@ class Analyst:
         started = time.perf_counter()
         handler = {Spectrum: self.spectrum, Attention: self.attention, Lens: self.lens}[type(call)]
         try:
-            body, media_type = handler(call)
+            with self.adapters.using(call.adapter) as adapter:
+                body, media_type = handler(call, adapter)
         except (Invalid, FigureUnavailable) as exc:
             return Refused("validation", str(exc))
+        except UnknownAdapter as exc:
+            return Refused("not_found", str(exc))
         return Done(body.encode() if isinstance(body, str) else body, media_type, time.perf_counter() - started)
 
-    def spectrum(self, call: Spectrum):
-        subjects = self.subjects if call.compare else self.subjects[:1]
+    def manage_adapters(self, call: LoadAdapter | UnloadAdapter | ListAdapters) -> Done | Refused:
+        """Run at once on the main thread: reading a folder takes milliseconds, and a change of
+        adapters must not wait behind (or be refused by) running analyses."""
+        try:
+            if isinstance(call, LoadAdapter):
+                self.adapters.load(call.name, call.folder)
+            elif isinstance(call, UnloadAdapter):
+                self.adapters.unload(call.name)
+        except UnknownAdapter as exc:
+            return Refused("not_found", str(exc))
+        except ValueError as exc:
+            return Refused("validation", str(exc))
+        return Done(_json({"adapters": self.adapters.names}), JSON, 0.0)
+
+    def spectrum(self, call: Spectrum, adapter: AppliedAdapter | None):
+        # With an adapter, the first subject is the fine-tuned model; the comparison is its base
+        # (the same weights, no adapter) or the comparison model.
+        main = self.main if adapter is None else replace(self.main, adapter=adapter)
+        subjects = [main]
+        if call.compare_base:
+            subjects.append(self.main)
+        elif call.compare:
+            subjects.append(self.subjects[1])
         try:
             token_ids = encode(subjects, call.texts, call.token_ids)
             what = "text" if call.texts is not None else "token_ids"
@@ -160,20 +190,20 @@ class Analyst:
         # Serialised here, once, not by a generic encoder walking every float.
         return json.dumps(combined(measured), allow_nan=False, separators=(",", ":")), JSON
 
-    def attention(self, call: Attention):
-        maps = attention_maps(self.main.model, call.token_ids, call.layers)  # [layers, H, T, T]
+    def attention(self, call: Attention, adapter: AppliedAdapter | None):
+        maps = attention_maps(self.main.model, call.token_ids, call.layers, adapter)  # [layers, H, T, T]
         tokens = self._tokens(call.token_ids)
         if call.format == "svg":
             return heatmaps_svg(maps, call.layers, tokens), SVG_MEDIA_TYPE
         return _json({
-            "model": self.main.name, "token_ids": call.token_ids, "tokens": tokens,
+            "model": self.main.name, "adapter": call.adapter, "token_ids": call.token_ids, "tokens": tokens,
             # attention[layer][head][query][key]
             "layers": [{"layer": layer, "attention": maps[i].tolist()} for i, layer in enumerate(call.layers)],
         }), JSON
 
-    def lens(self, call: Lens):
+    def lens(self, call: Lens, adapter: AppliedAdapter | None):
         ids = call.token_ids
-        top = logit_lens(self.main.model, ids, call.top_k)
+        top = logit_lens(self.main.model, ids, call.top_k, adapter)
         decode = self.main.tokenizer.decode
         layers = []
         for depth in range(top.ids.shape[0]):
@@ -184,7 +214,7 @@ class Analyst:
             ]
             # 0: the embeddings; i: after block i (the last is the model's output).
             layers.append({"layer": depth, "top": positions})
-        return _json({"model": self.main.name, "token_ids": ids, "tokens": self._tokens(ids), "layers": layers}), JSON
+        return _json({"model": self.main.name, "adapter": call.adapter, "token_ids": ids, "tokens": self._tokens(ids), "layers": layers}), JSON
 
     def _tokens(self, ids: list[int]) -> list[str]:
         return [self.main.tokenizer.decode([t]) for t in ids]
@@ -233,6 +263,8 @@ class AnalysisLoop:
             self._send(identity, request.id, Failed(self.failure))
         elif isinstance(call, Hello):
             self._send(identity, request.id, Ready(os.getpid()))
+        elif isinstance(call, (LoadAdapter, UnloadAdapter, ListAdapters)):
+            self._send(identity, request.id, self.analyst.manage_adapters(call))
         elif self.busy >= self.max_concurrent:
             # Several HTTP processes each admit their own share: the limit is the server's, here.
             busy = f"{self.max_concurrent} analyses are already running; retry later"

@@ -32,20 +32,41 @@ class Spectrum(msgspec.Struct, tag=True):
     layers: list[int] | None
     format: str
     compare: bool  # also the comparison model (the HTTP side checked that there is one)
+    adapter: str | None = None  # a LoRA adapter's name: the served model with it applied
+    compare_base: bool = False  # also the served model without the adapter
 
 
 class Attention(msgspec.Struct, tag=True):
     token_ids: list[int]
     layers: list[int]
     format: str
+    adapter: str | None = None
 
 
 class Lens(msgspec.Struct, tag=True):
     token_ids: list[int]
     top_k: int
+    adapter: str | None = None
 
 
-Call = Hello | Spectrum | Attention | Lens
+class LoadAdapter(msgspec.Struct, tag=True):
+    """Make a peft folder's adapter analysable under `name`: Done, or Refused ("validation") why not."""
+
+    name: str
+    folder: str
+
+
+class UnloadAdapter(msgspec.Struct, tag=True):
+    """Done, or Refused ("not_found"); analyses already using it finish with it."""
+
+    name: str
+
+
+class ListAdapters(msgspec.Struct, tag=True):
+    """Done with a JSON list of the adapters' names."""
+
+
+Call = Hello | Spectrum | Attention | Lens | LoadAdapter | UnloadAdapter | ListAdapters
 
 
 class Request(msgspec.Struct):
@@ -64,8 +85,8 @@ class Done(msgspec.Struct, tag=True):
 
 
 class Refused(msgspec.Struct, tag=True):
-    """The request cannot be analysed (422: "validation") or every analysis slot is busy
-    (429: "overloaded")."""
+    """The request cannot be analysed (422: "validation"), names an adapter that is not loaded
+    (404: "not_found"), or every analysis slot is busy (429: "overloaded")."""
 
     kind: str
     message: str

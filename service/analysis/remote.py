@@ -4,6 +4,8 @@
     client = AnalysisClient(address, supervisor)    # one of --api-servers N: the supervisor's
     await client.start()                            # until the models are loaded (RuntimeError if not)
     answer = await client.call(Spectrum(...))       # Done | Refused | Failed; AnalysisUnavailable
+    await client.load_adapter("poems", "weights/lora-poems")   # ValueError: why the folder is refused
+    await client.unload_adapter("poems")                       # ValueError: no adapter of that name
     await client.stop()
 
 Calls wait on the event loop for their answer, costing this process nothing meanwhile. The
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import multiprocessing
 import os
 import shutil
@@ -25,7 +28,10 @@ import zmq
 import zmq.asyncio
 
 from service.analysis.process import AnalysisProcessConfig, run_analysis
-from service.analysis.protocol import Done, Failed, Hello, Ready, Refused, Request, analysis_address, encoder, replies
+from service.analysis.protocol import (
+    Done, Failed, Hello, ListAdapters, LoadAdapter, Ready, Refused, Request, UnloadAdapter, analysis_address, encoder,
+    replies,
+)
 
 STOPPED = "the analysis process has stopped; /analyze is unavailable until the server is restarted"
 
@@ -121,6 +127,28 @@ class AnalysisClient:
             return await future
         finally:
             self._pending.pop(request_id, None)
+
+    async def load_adapter(self, name: str, folder: str) -> None:
+        """Make a peft folder's LoRA adapter analysable under `name` (the engine core loads its own
+        copy). ValueError with the one-line reason when the folder or the name is refused."""
+        await self._adapters_call(LoadAdapter(name, str(folder)))
+
+    async def unload_adapter(self, name: str) -> None:
+        """No new analysis may name it from now on; those running finish with it. ValueError when
+        no adapter of that name is loaded."""
+        await self._adapters_call(UnloadAdapter(name))
+
+    async def adapters(self) -> list[str]:
+        """The names of the adapters an analysis may apply."""
+        return json.loads((await self._adapters_call(ListAdapters())).body)["adapters"]
+
+    async def _adapters_call(self, call) -> Done:
+        answer = await self.call(call)
+        if isinstance(answer, Refused):
+            raise ValueError(answer.message)
+        if isinstance(answer, Failed):
+            raise AnalysisUnavailable(answer.message)
+        return answer
 
     async def _read(self) -> None:
         while True:

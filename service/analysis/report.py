@@ -14,6 +14,7 @@ import torch
 from tokenizers import Tokenizer
 
 from model.analysis import AnalysedModel, analyze, check_layers, check_sequences
+from model.lora import AppliedAdapter
 from model.post_ln import PostLNGPT
 from weights.post_ln import load_analysis_model
 from weights.tokenizer import GPT2Tokenizer
@@ -24,11 +25,12 @@ class Subject:
     name: str
     model: AnalysedModel
     tokenizer: object  # anything with encode_batch(texts) -> list[list[int]]
+    adapter: AppliedAdapter | None = None  # a LoRA adapter applied to the whole model
 
     def describe(self) -> dict:
         config = self.model.config
         return {
-            "name": self.name, "architecture": "post-ln" if isinstance(self.model, PostLNGPT) else "pre-ln",
+            "name": self.name, "adapter": None if self.adapter is None else self.adapter.name, "architecture": "post-ln" if isinstance(self.model, PostLNGPT) else "pre-ln",
             "n_layer": config.n_layer, "n_head": config.n_head, "n_embd": config.n_embd,
             "dtype": str(self.model.dtype).removeprefix("torch."),
         }
@@ -85,7 +87,7 @@ def check_request(
 
 def report_dict(subject: Subject, token_ids: list[list[int]], method: str, layers: list[int] | None) -> dict:
     """One model's body: its identity, then the report."""
-    return {"model": subject.describe()} | analyze(subject.model, token_ids, method, layers).to_dict()
+    return {"model": subject.describe()} | analyze(subject.model, token_ids, method, layers, subject.adapter).to_dict()
 
 
 def reports(subjects: list[Subject], token_ids: list[list[list[int]]], method: str, layers: list[int] | None) -> list[dict]:

@@ -1,5 +1,7 @@
 """GET/POST /analyze/spectrum: the attention spectral analysis (docs/analysis.md) on the served
 model, and on the analysis-only comparison model when the server loaded one (--compare-model-dir).
+`adapter` names a LoRA adapter to apply (--lora, or loaded at run time; unknown: 404), and
+`compare=base` sets the fine-tuned model beside its base. GET /analyze/adapters lists them.
 
 An analysis runs in the analysis process (service/analysis/process.py), never in an HTTP
 process, and at most `analysis_max_concurrent` run at once: one more is answered 429
@@ -33,8 +35,15 @@ router = APIRouter(tags=["Analysis"])
 
 Method = Literal["exact", "fast"]
 Format = Literal["json", "svg"]
+# true/false: the comparison model or not; "base": the served model without the adapter.
+Compare = bool | Literal["base"] | None
+COMPARE_HELP = (
+    "true: also the server's comparison model (default: when it has one); "
+    "base: also the served model without the adapter, beside it"
+)
 ENDPOINT = "/analyze/spectrum"
 ERRORS = {
+    404: {"description": "no LoRA adapter of that name is loaded: {error, error_type: not_found}"},
     422: {"description": "invalid input: {error, error_type: validation}"},
     429: {"description": "analyses already running: {error, error_type: overloaded}, Retry-After"},
     503: {"description": "the analysis process has stopped: {error, error_type: unavailable}"},
@@ -50,9 +59,8 @@ class SpectrumRequest(BaseModel):
     method: Method = Field("fast", description="exact: LAPACK svdvals; fast: block Krylov, 1e-4 relative")
     layers: list[int] | None = Field(None, description="layers whose attention to measure; default all")
     format: Format = Field("json", description="json: the report; svg: its figure")
-    compare: bool | None = Field(
-        None, description="also analyse the server's comparison model (default: when it has one)"
-    )
+    compare: Compare = Field(None, description=COMPARE_HELP)
+    adapter: str | None = Field(None, max_length=200, description="a loaded LoRA adapter to apply to the model")
 
     @model_validator(mode="after")
     def _one_input(self) -> "SpectrumRequest":
@@ -68,14 +76,25 @@ async def spectrum_get(
     method: Method = Query("fast"),
     layers: list[str] | None = Query(None, description="layer indices, repeated or comma-separated"),
     format: Format = Query("json"),
-    compare: bool | None = Query(None, description="also analyse the comparison model (default: when loaded)"),
+    compare: Compare = Query(None, description=COMPARE_HELP),
+    adapter: str | None = Query(None, max_length=200, description="a loaded LoRA adapter to apply to the model"),
 ) -> Response:
-    return await _spectrum(request, text, None, method, _parse_layers(layers), format, compare)
+    return await _spectrum(request, text, None, method, _parse_layers(layers), format, compare, adapter)
 
 
 @router.post(ENDPOINT, responses=RESPONSES, summary="Spectral norms of the attention matrices for texts or token ids")
 async def spectrum_post(body: SpectrumRequest, request: Request) -> Response:
-    return await _spectrum(request, body.texts, body.token_ids, body.method, body.layers, body.format, body.compare)
+    return await _spectrum(
+        request, body.texts, body.token_ids, body.method, body.layers, body.format, body.compare, body.adapter
+    )
+
+
+@router.get("/analyze/adapters", responses={503: ERRORS[503]}, summary="The LoRA adapters an analysis may apply")
+async def adapters(request: Request) -> dict:
+    try:
+        return {"adapters": await analysis_client(request).adapters()}
+    except AnalysisUnavailable as exc:
+        raise ApiError(503, "unavailable", str(exc)) from None
 
 
 async def _spectrum(
@@ -85,7 +104,8 @@ async def _spectrum(
     method: str,
     layers: list[int] | None,
     format: str,
-    compare: bool | None,
+    compare: bool | str | None,
+    adapter: str | None,
 ) -> Response:
     state = shared_state(request)
     settings = state.settings
@@ -95,17 +115,20 @@ async def _spectrum(
             f"{count} texts given; this server analyses at most {settings.analysis_max_texts} per request"
         )
     models = analysis_models_of(request)
-    if compare and models.compare is None:
+    compare_base = compare == "base"
+    if compare_base and adapter is None:
+        raise validation_error("compare=base compares an adapter with its base; name one with adapter=NAME")
+    if compare is True and models.compare is None:
         raise validation_error("compare=true, but this server has no comparison model (start it with --compare-model-dir)")
-    with_compare = models.compare is not None and compare is not False
-    # What the configs can refuse is refused here; the tokens (each model's own tokenizer) and
-    # their limits are checked by the analysis process, under the gate, as before.
+    with_compare = compare is True or (compare is None and models.compare is not None)
+    # What the configs can refuse is refused here; the tokens (each model's own tokenizer), their
+    # limits and the adapter's name are checked by the analysis process, under the gate.
     with _invalid_is_422():
         for config in (models.config, models.compare) if with_compare else (models.config,):
             check_layers(config, layers)
         if format == "svg":
             check_available()
-    return await gated(request, Spectrum(texts, token_ids, method, layers, format, with_compare))
+    return await gated(request, Spectrum(texts, token_ids, method, layers, format, with_compare, adapter, compare_base))
 
 
 async def gated(request: Request, call) -> Response:
@@ -130,6 +153,8 @@ async def gated(request: Request, call) -> Response:
         return Response(answer.body, media_type=answer.media_type)
     if isinstance(answer, Refused) and answer.kind == "validation":
         raise validation_error(answer.message)
+    if isinstance(answer, Refused) and answer.kind == "not_found":
+        raise ApiError(404, "not_found", answer.message)
     if isinstance(answer, Refused):
         raise overloaded_error(answer.message, settings.retry_after_seconds)
     raise ApiError(500, "error", answer.message)

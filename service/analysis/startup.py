@@ -65,7 +65,7 @@ def process_config(settings: Settings, address: str = "") -> AnalysisProcessConf
         address=address, model_dir=settings.model_dir, model_name=settings.model_name, device=settings.device,
         dtype=settings.dtype, threads=settings.threads, max_concurrent=settings.analysis_max_concurrent,
         max_tokens=settings.analysis_max_tokens, compare_model_dir=settings.compare_model_dir,
-        compare_model_name=settings.compare_model_name,
+        compare_model_name=settings.compare_model_name, adapters=settings.adapters,
     )
 
 

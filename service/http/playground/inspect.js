@@ -1,7 +1,8 @@
 // The Inspect view: for one text, the per-layer attention spectral norm with its valid bounds
 // (/analyze/spectrum), an attention heatmap per layer and head (/analyze/attention), and the
 // logit lens (/analyze/logit-lens). The server runs one analysis at a time (429 beyond), so the
-// three are asked for one after another.
+// three are asked for one after another. With a LoRA adapter chosen (/analyze/adapters lists
+// them), all three read the fine-tuned model, and the spectrum sets its base beside it.
 
 import { $, clearError, getJson, percent, probabilityColour, showError, visible } from "./api.js";
 
@@ -17,7 +18,7 @@ const BOUNDS = { // the valid bounds of docs/analysis.md, drawn as dashed lines
 const VIRIDIS = [[68, 1, 84], [59, 82, 139], [33, 145, 140], [94, 201, 98], [253, 231, 37]];
 
 let model = { n_layer: 0, n_head: 0 };
-let current = { text: null, attention: new Map(), tokens: [] }; // attention: layer → [head][query][key]
+let current = { text: null, adapter: null, attention: new Map(), tokens: [] }; // attention: layer → [head][query][key]
 let cursor = { row: 0, col: 0 };
 
 export function setModel(config) {
@@ -26,6 +27,26 @@ export function setModel(config) {
   const head = $("attention-head");
   layer.replaceChildren(...Array.from({ length: config.n_layer }, (_, i) => new Option(String(i), String(i))));
   head.replaceChildren(...Array.from({ length: config.n_head }, (_, i) => new Option(String(i), String(i))));
+  refreshAdapters(); // once the server has answered /info (with the key, where it needs one)
+}
+
+// "gpt2" or "gpt2 + poems": a report's model, with the adapter applied to it if any.
+function modelName(report) {
+  return report.model.adapter ? `${report.model.name} + ${report.model.adapter}` : report.model.name;
+}
+
+// The adapter choice: the base model, then every adapter the analysis side has loaded now.
+async function listAdapters() {
+  const { adapters } = await getJson("/analyze/adapters");
+  const select = $("inspect-adapter");
+  const chosen = select.value; // read after the request: the user may have chosen meanwhile
+  select.replaceChildren(new Option("none (the base model)", ""), ...adapters.map((name) => new Option(name, name)));
+  select.value = adapters.includes(chosen) ? chosen : "";
+  select.disabled = adapters.length === 0;
+}
+
+function refreshAdapters() {
+  listAdapters().catch((failure) => failure.status === 401 || showError($("inspect-error"), failure));
 }
 
 function svg(tag, attributes, parent) {
@@ -57,7 +78,7 @@ export function drawSpectrum(report) {
   const y = (value) => top + (1 - value / yMax) * (height - top - bottom);
   chart.replaceChildren();
   svg("title", { id: "spectrum-summary" }, chart).textContent =
-    `Mean attention spectral norm per layer of ${report.model.name}: ${norms.map((n) => n.mean.toFixed(3)).join(", ")}`;
+    `Mean attention spectral norm per layer of ${modelName(report)}: ${norms.map((n) => n.mean.toFixed(3)).join(", ")}`;
   // axes and ticks
   svg("line", { class: "axis", x1: left, x2: width - right, y1: y(0), y2: y(0) }, chart);
   svg("line", { class: "axis", x1: left, x2: left, y1: top, y2: y(0) }, chart);
@@ -84,7 +105,7 @@ export function drawSpectrum(report) {
     svg("polyline", { class: kind, points: values.map((n, i) => `${xs[i]},${y(n.mean)}`).join(" ") }, chart);
     values.forEach((n, i) => {
       const point = svg("circle", { class: kind, cx: xs[i], cy: y(n.mean), r: 3.5, "data-layer": each.layers[i].layer }, chart);
-      svg("title", {}, point).textContent = `${each.model.name}, layer ${each.layers[i].layer}: mean \u2016A\u2016\u2082 ${n.mean.toFixed(4)} (min ${n.min.toFixed(4)}, max ${n.max.toFixed(4)})`;
+      svg("title", {}, point).textContent = `${modelName(each)}, layer ${each.layers[i].layer}: mean \u2016A\u2016\u2082 ${n.mean.toFixed(4)} (min ${n.min.toFixed(4)}, max ${n.max.toFixed(4)})`;
     });
   }
   const legend = $("spectrum-legend");
@@ -97,8 +118,8 @@ export function drawSpectrum(report) {
     return item;
   };
   legend.replaceChildren(
-    entry(`${report.model.name} (${report.model.architecture}): mean \u2016A\u2016\u2082, band min\u2013max`, "#2457c5"),
-    ...(compare ? [entry(`${compare.model.name} (${compare.model.architecture}): mean`, "#c5492a")] : []),
+    entry(`${modelName(report)} (${report.model.architecture}): mean \u2016A\u2016\u2082, band min\u2013max`, "#2457c5"),
+    ...(compare ? [entry(`${modelName(compare)} (${compare.model.architecture}): mean`, "#c5492a")] : []),
     ...bounds.map((name) => entry(BOUNDS[name].label, BOUNDS[name].colour)),
   );
 }
@@ -153,7 +174,7 @@ function readout() {
 async function showLayer() {
   const layer = Number($("attention-layer").value);
   if (!heads(layer)) {
-    const answer = await getJson("/analyze/attention", { text: current.text, layers: [layer] });
+    const answer = await getJson("/analyze/attention", { text: current.text, layers: [layer], ...withAdapter() });
     current.attention.set(layer, answer.layers[0].attention);
     current.tokens = answer.tokens;
   }
@@ -194,21 +215,26 @@ function drawLens(answer) {
 
 // --- the view -----------------------------------------------------------------------------------
 
+// The adapter part of a request body: nothing for the base model.
+function withAdapter() {
+  return current.adapter ? { adapter: current.adapter } : {};
+}
+
 export async function inspect() {
   const text = $("inspect-text").value;
   const error = $("inspect-error");
   const status = $("inspect-status");
   clearError(error);
-  current = { text, attention: new Map(), tokens: [] };
+  current = { text, adapter: $("inspect-adapter").value || null, attention: new Map(), tokens: [] };
   cursor = { row: 0, col: 0 };
   $("inspect").disabled = true;
   try {
     status.textContent = "measuring spectral norms…";
-    drawSpectrum(await getJson("/analyze/spectrum", { texts: [text] }));
+    drawSpectrum(await getJson("/analyze/spectrum", { texts: [text], ...withAdapter(), ...(current.adapter ? { compare: "base" } : {}) }));
     status.textContent = "reading attention…";
     await showLayer();
     status.textContent = "reading the logit lens…";
-    drawLens(await getJson("/analyze/logit-lens", { text, top_k: LENS_TOP_K }));
+    drawLens(await getJson("/analyze/logit-lens", { text, top_k: LENS_TOP_K, ...withAdapter() }));
     status.textContent = `${current.tokens.length} tokens inspected`;
   } catch (failure) {
     status.textContent = "";
@@ -231,6 +257,8 @@ function moveCursor(event) {
 }
 
 export function setUpInspect() {
+  // Adapters are loaded and unloaded at run time: the list is read again whenever it is opened.
+  $("inspect-adapter").addEventListener("focus", refreshAdapters);
   $("inspect-form").addEventListener("submit", (event) => {
     event.preventDefault();
     inspect();
