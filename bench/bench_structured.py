@@ -64,7 +64,10 @@ async def validity(url: str, count: int, clients: int, max_new_tokens: int) -> d
             grammar, check = cases[index % len(cases)]
             body = {"inputs": texts[index % len(texts)], "parameters": {
                 "max_new_tokens": max_new_tokens, "grammar": grammar, "do_sample": True, "seed": index, "details": True}}
-            answer = (await http.post(f"{url}/generate", json=body)).json()
+            response = await http.post(f"{url}/generate", json=body)
+            if response.status_code != 200:
+                raise RuntimeError(f"/generate answered {response.status_code}: {response.text[:500]}")
+            answer = response.json()
             text, reason = answer["generated_text"], answer["details"]["finish_reason"]
             if reason == "length":
                 tally["cut by max_new_tokens"] += 1
