@@ -14,6 +14,10 @@ from model.gpt2 import GPT2
 from model.lora import BASE, LoraRows, LoraSet
 
 
+class UnknownAdapter(ValueError):
+    """A request named an adapter not served (or being unloaded)."""
+
+
 class ServedAdapters:
     def __init__(self, model: GPT2, adapters: tuple[tuple[str, str], ...] = ()) -> None:
         """`adapters`: (name, peft folder) pairs to load now; AdapterError names a bad one."""
@@ -44,7 +48,7 @@ class ServedAdapters:
         if name is None:
             return BASE
         if name not in self.set or name in self.unloading:
-            raise ValueError(f"no LoRA adapter named {name!r} is loaded")
+            raise UnknownAdapter(f"no LoRA adapter named {name!r} is loaded")
         return self.set.index(name)
 
     def rows(self, adapters: list[int]) -> LoraRows | None:

@@ -24,6 +24,7 @@ import zmq
 
 from model.config import DTYPES
 from model.quantized import QUANTIZE_METHODS, int8_weight_levels
+from service.engine.adapters import UnknownAdapter
 from service.engine.core import EngineConfig, EngineCore
 from service.engine.grammar import Grammars
 from service.engine.protocol import (
@@ -150,7 +151,9 @@ class CoreLoop:
                 self.core.submit(message.requests)
             except (ValueError, QueueFull, EngineStopped) as exc:
                 # The HTTP side checked all this before sending; say so rather than drop them.
-                self._send_failed(request_ids, f"refused by the engine core: {exc}")
+                unknown_adapter = isinstance(exc, UnknownAdapter)
+                self._send_failed(request_ids, str(exc) if unknown_adapter else f"refused by the engine core: {exc}",
+                                  404 if unknown_adapter else 500)
         elif isinstance(message, AbortRequests):
             for request_id in message.request_ids:
                 self.core.cancel(request_id)
@@ -200,8 +203,8 @@ class CoreLoop:
         except zmq.Again:
             log.warning("HTTP process %d is not reading: a message for it was dropped", client)
 
-    def _send_failed(self, request_ids: list[str], message: str) -> None:
+    def _send_failed(self, request_ids: list[str], message: str, status: int = 500) -> None:
         cache = self.core.cache
         stats = StepStats(0, 0, 0, len(self.core.scheduler.running), self.core.scheduler.waiting_count,
                           cache.slots_used, cache.max_slots, 0.0)
-        self._send(CoreStep([], [], [], [RequestFailed(r, message) for r in request_ids], stats))
+        self._send(CoreStep([], [], [], [RequestFailed(r, message, status) for r in request_ids], stats))

@@ -149,10 +149,12 @@ class FinishedRequest:
 
 @dataclass
 class RequestFailed:
-    """The engine could not finish this request (an internal error): answer 500."""
+    """The engine could not finish this request: answer `status` (500: an internal error; 404:
+    its LoRA adapter was unloaded between the HTTP side's check and the core's)."""
 
     request_id: str
     message: str
+    status: int = 500
 
 
 @dataclass

@@ -161,6 +161,8 @@ class Generations:
             return True
         if isinstance(item, RequestFailed):
             stream.failed = True
+            if item.status == 404:  # its adapter was unloaded after the HTTP side checked it
+                raise ApiError(404, "not_found", item.message)
             raise ApiError(500, "generation", f"generation failed: {item.message}")
         return False
 

@@ -91,3 +91,16 @@ def test_run_time_changes_need_the_api_key(tiny_model_dir, adapter_dirs):
     with TestClient(create_app(settings_for(tiny_model_dir))) as open_server:
         answer = open_server.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": str(adapter_dirs["later"])})
         assert answer.status_code == 403 and "--api-key" in answer.json()["error"]
+
+
+def test_a_request_checked_before_its_adapter_was_unloaded_gets_404_not_500(served):
+    """The HTTP side checks a name against its list, then tokenizes, then sends: an unload can
+    land in between. The core's refusal is then the same 404 the check would have given."""
+    assert served.post("/v1/unload_lora_adapter", json={"lora_name": "comedies"}).status_code == 200
+    client = served.app.state.service.client
+    client.adapters.append("comedies")  # the HTTP side's list as it was when the request was checked
+    try:
+        answer = completion_ids(served, "comedies", [1, 2, 3])
+    finally:
+        client.adapters.remove("comedies")
+    assert answer.status_code == 404 and "'comedies'" in answer.json()["error"], answer.text
