@@ -18,6 +18,7 @@ from starlette.concurrency import run_in_threadpool
 from service.analysis.figure import FigureUnavailable, check_available
 from service.analysis.protocol import Attention, Lens
 from service.analysis.routes import ERRORS, gated
+from service.common.schemas import TokenId
 from service.analysis.startup import analysis_models_of
 from service.common.errors import validation_error
 from service.common.state import shared_state
@@ -31,7 +32,7 @@ class InspectRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     text: str | None = Field(None, min_length=1, max_length=100_000)
-    token_ids: list[int] | None = Field(None, min_length=1, max_length=100_000)
+    token_ids: list[TokenId] | None = Field(None, min_length=1, max_length=100_000)
     adapter: str | None = Field(None, max_length=200, description="a loaded LoRA adapter to apply to the model")
 
     @model_validator(mode="after")

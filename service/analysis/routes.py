@@ -28,7 +28,7 @@ from service.analysis.protocol import Done, Refused, Spectrum
 from service.analysis.remote import AnalysisUnavailable
 from service.analysis.startup import analysis_client, analysis_models_of
 from service.common.errors import ApiError, overloaded_error, validation_error
-from service.common.schemas import Text
+from service.common.schemas import Text, TokenId
 from service.common.state import shared_state
 
 router = APIRouter(tags=["Analysis"])
@@ -55,7 +55,7 @@ class SpectrumRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     texts: list[Text] | None = Field(None, min_length=1, description="texts to analyse, each on its own")
-    token_ids: list[list[int]] | None = Field(None, min_length=1, description="or token id sequences")
+    token_ids: list[list[TokenId]] | None = Field(None, min_length=1, description="or token id sequences")
     method: Method = Field("fast", description="exact: LAPACK svdvals; fast: block Krylov, 1e-4 relative")
     layers: list[int] | None = Field(None, description="layers whose attention to measure; default all")
     format: Format = Field("json", description="json: the report; svg: its figure")
