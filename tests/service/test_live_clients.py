@@ -99,14 +99,19 @@ def test_openai_completions_plain_and_stream(oai, hf):
     assert [m.id for m in oai.models.list()] == ["gpt2"]
 
 
-def test_openai_client_sees_422_as_unprocessable(oai):
-    from openai import UnprocessableEntityError
+def test_openai_client_sees_422_as_unprocessable_and_404_for_a_model_not_served(oai):
+    from openai import NotFoundError, UnprocessableEntityError
 
     with pytest.raises(UnprocessableEntityError) as raised:
-        oai.completions.create(model="davinci", prompt=PROMPT, max_tokens=2)
+        oai.completions.create(model="gpt2", prompt=PROMPT, max_tokens=2, temperature=9.0)
     # The service's one error shape, not OpenAI's nested one: the message is in body["error"].
     body = raised.value.response.json()
-    assert body["error_type"] == "validation" and "not served" in body["error"]
+    assert body["error_type"] == "validation" and "temperature" in body["error"]
+    # As OpenAI answers a model that does not exist (and vLLM an adapter it has not loaded).
+    with pytest.raises(NotFoundError) as raised:
+        oai.completions.create(model="davinci", prompt=PROMPT, max_tokens=2)
+    body = raised.value.response.json()
+    assert body["error_type"] == "not_found" and "'davinci' is not served" in body["error"]
 
 
 # --- Prometheus --------------------------------------------------------------------------------

@@ -71,7 +71,6 @@ def test_stream_invalid_422_before_streaming(client, body, words):
 
 
 OPENAI_CASES = [
-    ({"prompt": "x", "model": "gpt-4"}, ["gpt-4", "not served"]),
     ({"prompt": ""}, ["prompt", "empty"]),
     ({"prompt": [[]]}, ["prompt", "empty"]),
     ({"prompt": [99999999]}, ["token id", "vocabulary"]),
@@ -100,6 +99,13 @@ OPENAI_CASES = [
 @pytest.mark.parametrize("body,words", OPENAI_CASES, ids=[str(i) for i in range(len(OPENAI_CASES))])
 def test_openai_invalid_422(client, body, words):
     assert_validation_error(client.post("/v1/completions", json={"model": "gpt2", **body}), *words)
+
+
+def test_a_model_not_served_is_404_naming_what_is(client):
+    # As OpenAI answers a model that does not exist (and vLLM an adapter it has not loaded).
+    response = client.post("/v1/completions", json={"model": "gpt-4", "prompt": "x"})
+    assert response.status_code == 404 and response.json()["error_type"] == "not_found"
+    assert "'gpt-4' is not served" in response.json()["error"] and "'gpt2'" in response.json()["error"]
 
 
 def test_malformed_json_is_a_validation_error(client):
