@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from model.linear import Conv1D
+from model.transfer import to_device
 from model.lora_format import AdapterError, LoraAdapter, read_adapter
 
 BASE = -1  # a row's adapter index when it uses the base model alone
@@ -171,7 +172,7 @@ class LoraRows:
             if index != BASE:
                 positions.setdefault(index, []).extend(range(start, start + count))
             start += count
-        groups = [(index, torch.tensor(rows, device=device)) for index, rows in sorted(positions.items())]
+        groups = [(index, to_device(rows, device)) for index, rows in sorted(positions.items())]
         return LoraGroups(self.adapters, groups)
 
 
