@@ -54,7 +54,7 @@ class Engine:
 
     @property
     def slot_params(self):
-        return self.core.slot_params
+        return self.core.sampler.slot_params
 
     def submit(self, requests: list[GenerationRequest]) -> None:
         """Queue requests to be prefilled together. Raises ValueError, QueueFull, EngineStopped."""

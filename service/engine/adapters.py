@@ -8,7 +8,7 @@ reuse) is given up only after every running and waiting request that uses it has
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from model.gpt2 import GPT2
 from model.lora import BASE, LoraRows, LoraSet
@@ -51,10 +51,11 @@ class ServedAdapters:
             raise UnknownAdapter(f"no LoRA adapter named {name!r} is loaded")
         return self.set.index(name)
 
-    def rows(self, adapters: list[int]) -> LoraRows | None:
+    def rows(self, adapters: Iterable[int]) -> LoraRows | None:
         """A forward's per-row adapters; None (the base forward, exactly as without adapters)
-        when none is loaded or no row uses one."""
-        return self.set.rows(adapters) if self.set.names else None
+        when none is loaded (then `adapters`, a generator on the step's path, is never walked)
+        or no row uses one."""
+        return self.set.rows(list(adapters)) if self.set.names else None
 
     def free_unused(self, in_use: Callable[[int], bool]) -> list[int]:
         """Free the unloading adapters no request uses any more; their indices."""

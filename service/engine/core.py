@@ -109,7 +109,6 @@ class EngineCore:
         max_len = config.max_len or model.config.n_positions
         self.cache = KVCache(model.config, config.max_slots, max_len, self.device, model.dtype)
         self.sampler = StepSampler(config.max_slots, model.config.vocab_size, max_len, eos_token_id, self.device, grammars)
-        self.slot_params = self.sampler.slot_params  # tests reach the tables through the core
         self.scheduler = Scheduler(
             self.cache, config.max_waiting, config.max_prefill_tokens, self._start, config.prefix_caching,
             self._grammar_ready,
@@ -124,11 +123,11 @@ class EngineCore:
     # --- entry points -------------------------------------------------------------------------
     def submit(self, requests: list[GenerationRequest]) -> None:
         """Queue requests to be prefilled together. Raises ValueError, QueueFull, EngineStopped."""
-        for grammar in {r.params.grammar for r in requests} - {None}:
-            if self.grammars is None:
-                raise ValueError("this engine has no grammar engine: constrained decoding is off")
+        grammars = {r.params.grammar for r in requests} - {None}
+        if grammars and self.grammars is None:
+            raise ValueError("this engine has no grammar engine: constrained decoding is off")
         self.scheduler.submit(requests, [self.adapters.index(r.adapter) for r in requests])
-        for grammar in {r.params.grammar for r in requests} - {None}:
+        for grammar in grammars:
             self.grammars.prepare(grammar)  # compiled off the step loop; admitted once it is
 
     def cancel(self, request_id: str) -> None:
@@ -159,7 +158,7 @@ class EngineCore:
             decode_tokens = sum(len(s.live) for s in plan.decode)
             results.decode_output_tokens += sum(len(s.live) for s in plan.decode if s.beam is not None)  # one each
             self._rearrange(plan)
-            launched = self._launch(plan) if plan.prefill or plan.decode else None
+            launched = self._launch(plan, overlap) if plan.prefill or plan.decode else None
             if launched is not None:
                 batch_size = len(launched.rows.row_of)
             if previous is not None:
@@ -194,21 +193,23 @@ class EngineCore:
         )
         return CoreStep(results.tokens, results.started, results.done, failed, stats)
 
-    def _launch(self, plan: StepPlan) -> LaunchedStep:
-        """Queue the step's model work and sampling; with beams or drafts, it also waits for it."""
+    def _launch(self, plan: StepPlan, deferred: bool) -> LaunchedStep:
+        """Queue the step's model work and sampling; with beams or drafts, it also waits for it.
+        `deferred`: its tokens are read after the next step is launched."""
         completing = plan.completing
         with torch.inference_mode():
             if self.config.speculative is not None:
                 propose(plan.decode, self.config.speculative, plan.prefill_tokens)
             rows = self._layout(plan)
             logits = self._run(plan, rows)
-            launched = self.sampler.launch(logits, rows, completing + plan.decode, completing)
+            launched = self.sampler.launch(logits, rows, completing + plan.decode, completing, deferred)
             for state in launched.active:
                 if state.beam is not None and advance_beams(state, logits, rows.row_of, self.cache):
                     for beam in state.sequences:  # finish() gives each hypothesis its reason
                         self.scheduler.release_sequence(beam, "length", state)
-        for _, seq in rows.sampled:
-            seq.pending += 1
+        if deferred:
+            for _, seq in rows.sampled:
+                seq.pending += 1
         return launched
 
     def _rearrange(self, plan: StepPlan) -> None:
@@ -224,8 +225,9 @@ class EngineCore:
         """Read a launched step's tokens and append them; report who started and who finished.
         Requests cancelled, or finished by an earlier step, since it was launched get nothing."""
         sampled = self.sampler.read(launched)
-        for token in sampled:
-            token.seq.pending -= 1
+        if launched.deferred:
+            for token in sampled:
+                token.seq.pending -= 1
         results.started += [
             RequestStarted(s.request.request_id, s.scheduled_time - s.request.arrival_time, s.seed, s.prompt_scores)
             for s in launched.completing
@@ -238,9 +240,9 @@ class EngineCore:
             self.scheduler.drop_finished(finished)
 
     def _free_unloaded_adapters(self) -> None:
-        # Not while a launched step's rows may still use one (overlap).
-        in_use = lambda index: self._launched is not None or self.scheduler.adapter_in_use(index)  # noqa: E731
-        for index in self.adapters.free_unused(in_use):
+        # A launched step's kernels are already queued with the tensors they read (freed memory
+        # is reused in stream order), so only the requests that will still run count.
+        for index in self.adapters.free_unused(self.scheduler.adapter_in_use):
             self.scheduler.prefix.forget_adapter(index)  # its index may go to another adapter
 
     # --- admission ------------------------------------------------------------------------------
@@ -258,7 +260,9 @@ class EngineCore:
         if not errors:
             return []
         refused = self.scheduler.refuse_waiting(lambda state: state.params.grammar in errors)
-        return [RequestFailed(state.request.request_id, errors[state.params.grammar]) for state in refused]
+        failed = [RequestFailed(state.request.request_id, errors[state.params.grammar]) for state in refused]
+        errors.clear()  # every waiting request of those grammars is refused; a later one compiles again
+        return failed
 
     def _start(self, state: RequestState, slots: list[int]) -> list[Sequence]:
         """Turn an admitted request's parameters into per-slot tensors and generators, once."""
@@ -273,8 +277,7 @@ class EngineCore:
                 seed = (state.seed + index * SEED_STRIDE) % SEED_MODULUS if params.do_sample else 0
                 self.sampler.write(slot, params, prompt, seed)
             drafter = new_drafter(self.config.speculative, params)
-            # Compiled (or copied from the cache) here, at admission: llguidance takes ~2 ms for
-            # a 10-20 property schema (docs/structured-output.md).
+            # A copy of the grammar compiled off the step loop before admission (Grammars.prepare).
             matcher = self.grammars.matcher(params.grammar) if params.grammar is not None else None
             sequences.append(Sequence(index, slot, list(prompt), len(prompt), drafter=drafter, matcher=matcher,
                                       adapter=state.adapter))
@@ -348,7 +351,7 @@ class EngineCore:
             [chunk.start for chunk in chunks],
             [chunk.state.request.prompt_ids[chunk.start : chunk.end] for chunk in chunks],
             hidden_states=any(chunk.state.params.prompt_logprobs for chunk in chunks),
-            lora=self.adapters.rows([chunk.state.adapter for chunk in chunks]),
+            lora=self.adapters.rows(chunk.state.adapter for chunk in chunks),
         )
         for row, chunk in enumerate(chunks):
             state = chunk.state
@@ -372,7 +375,7 @@ class EngineCore:
     def _decode(self, seqs: list[Sequence]) -> torch.Tensor:
         """Logits [B + drafted tokens, V]: one row per sequence, 1 + k for one with a draft."""
         slots = [s.slot for s in seqs]
-        lora = self.adapters.rows([s.adapter for s in seqs])
+        lora = self.adapters.rows(s.adapter for s in seqs)
         if any(s.draft for s in seqs):  # verification: 1 + k positions per row, eagerly
             starts = [len(s.token_ids) - 1 for s in seqs]
             pieces = [[s.token_ids[-1]] + s.draft for s in seqs]

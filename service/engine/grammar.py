@@ -51,7 +51,8 @@ class Grammars:
         # Compiled off the caller's thread (`prepare`); results taken by `ready`, on the caller's.
         self._pool: ThreadPoolExecutor | None = None
         self._compiling: dict[str, Future] = {}
-        self.errors: OrderedDict[str, str] = OrderedDict()  # grammars that failed there, why
+        # Grammars that failed there, and why, until the core refuses their requests.
+        self.errors: dict[str, str] = {}
 
     @property
     def tokenizer(self) -> llguidance.LLTokenizer:
@@ -94,8 +95,6 @@ class Grammars:
                 self._keep(grammar, future.result())
             except ValueError as exc:
                 self.errors[grammar] = str(exc)
-                if len(self.errors) > CACHE_SIZE:
-                    self.errors.popitem(last=False)
 
     def ready(self, grammar: str) -> bool:
         """False while `grammar` compiles on the worker thread (until a `collect` after it is done)."""

@@ -66,6 +66,9 @@ class LaunchedStep:
     sampled: torch.Tensor | None  # [B, 2 + 2n] on the host once `ready` has passed
     alternatives: int  # n
     ready: torch.cuda.Event | None  # recorded after the device→host copy (CUDA only)
+    # Read after the next step was launched (overlap): its rows count as pending meanwhile, and
+    # its tokens were left on the device for that next step to feed.
+    deferred: bool = False
 
 
 class StepSampler:
@@ -90,11 +93,13 @@ class StepSampler:
         self.last_tokens[dst] = self.last_tokens[src]
 
     def launch(
-        self, logits: torch.Tensor, rows: StepRows, active: list[RequestState], completing: list[RequestState]
+        self, logits: torch.Tensor, rows: StepRows, active: list[RequestState], completing: list[RequestState],
+        deferred: bool = False,
     ) -> LaunchedStep:
-        """Queue the sampling of every sampled row and the copy of its results to the host."""
+        """Queue the sampling of every sampled row and the copy of its results to the host.
+        `deferred`: the tokens will be read after the next step is launched (no drafts then)."""
         if not rows.sampled:
-            return LaunchedStep(rows, active, completing, None, 0, None)
+            return LaunchedStep(rows, active, completing, None, 0, None, deferred)
         slots, read = rows.sample_slots, rows.read
         requested = [state.request.params for state, _ in rows.sampled]
         special = [p for p in requested if not p.plain]  # the rows that use any optional stage
@@ -112,7 +117,7 @@ class StepSampler:
         if params.any_penalty:
             self.slot_params.mark_seen(slots, tokens)
         self.slot_controls.record(params.controls, slots, rows.sample_counters, tokens)
-        if not any(seq.draft for seq in rows.decoding):  # one row per slot: its next input
+        if deferred:  # one row per slot (a deferred step has no drafts): the next step's inputs
             self.last_tokens[read] = tokens
         columns = [tokens[:, None].double(), logprobs[:, None].double()]
         # Alternatives: as many as the most demanding row asked for; each row keeps its own count.
@@ -128,7 +133,7 @@ class StepSampler:
         if host.device != logits.device and logits.device.type == "cuda":
             ready = torch.cuda.Event()
             ready.record()
-        return LaunchedStep(rows, active, completing, host, n, ready)
+        return LaunchedStep(rows, active, completing, host, n, ready, deferred)
 
     def read(self, launched: LaunchedStep) -> list[SampledToken]:
         """The launched step's sampled tokens, once the device has them on the host."""
