@@ -31,7 +31,10 @@ import time
 
 import torch
 
-import service.engine.step_sampler as engine_sampler
+try:
+    import service.engine.step_sampler as engine_sampler
+except ModuleNotFoundError:  # a checkout from before the sampling stage left core.py (--against)
+    import service.engine.core as engine_sampler
 import service.engine.process as engine_process
 from model.gpt2 import ForwardOutput
 
