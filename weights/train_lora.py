@@ -1,15 +1,19 @@
 """Fine-tune a model folder with LoRA on a slice of the Shakespeare corpus; write a peft adapter.
 
-    python -m weights.train_lora [--base weights/shakespeare] [--out weights/lora-poems]
+    python -m weights.train_lora [--base weights/shakespeare-histories-tragedies] [--out weights/lora-poems]
                                  [--slice poems|comedies] [--rank 16] [--alpha 32] [--steps 150] [--lr 2e-3] [--seed 0]
 
 The base stays frozen; only each block's LoRA A and B (c_attn, c_proj, c_fc) are trained, through
 the model's own adapter path (model/lora.py, the code that serves them) and weights/trainer.py's
 loop. The slice's works that `weights.train` held out (Lover's Complaint for the poems, Twelfth
 Night for the comedies) are the held-out text here too, so neither the base nor the adapter has
-seen it. The folder is peft's (`adapter_config.json`, `adapter_model.safetensors`, loadable by
+seen it. The base should not have seen the slice's other works either (`python -m weights.train
+--leave-out poems --leave-out comedies` trains one on the histories and tragedies alone): on a base
+trained on them, an adapter adds little more than further training, and this says so when it
+starts. The folder is peft's (`adapter_config.json`, `adapter_model.safetensors`, loadable by
 peft's PeftModel on transformers' GPT2LMHeadModel) plus LORA_TRAINING.json: the held-out loss
-before (the base) and after, in nats per token over every held-out token.
+before (the base) and after, in nats per token over every held-out token, and how much lower
+with a 95% interval paired over the same tokens.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from torch import nn
 from model.lora import LoraSet
 from model.lora_format import LoraAdapter, SiteWeights, adapter_config, read_adapter, write_adapter
 from weights.checkpoint import load_model
-from weights.corpus import HELD_OUT, load_corpus
+from weights.corpus import HELD_OUT, SLICES, load_corpus
 from weights.prepare import CACHE_DIR
 from weights.tokenizer import GPT2Tokenizer
 from weights.train import token_stream
@@ -38,15 +42,6 @@ from weights.trainer import TokenSpace, TrainConfig, Trainer, heldout_windows
 REPO_WEIGHTS = Path(__file__).resolve().parent
 RECORD_FILE = "LORA_TRAINING.json"
 TARGET_MODULES = ["c_attn", "c_proj", "c_fc"]
-# The slices: works by the names weights/corpus.py gives them. Comedies as the First Folio groups them.
-SLICES = {
-    "poems": ("sonnets", "rape_of_lucrece", "passionate_pilgrim", "phoenix_and_the_turtle", "lovers_complaint"),
-    "comedies": (
-        "tempest", "two_gentlemen_of_verona", "merry_wives_of_windsor", "measure_for_measure", "comedy_of_errors",
-        "much_ado_about_nothing", "loves_labours_lost", "midsummer_nights_dream", "merchant_of_venice",
-        "as_you_like_it", "taming_of_the_shrew", "alls_well_that_ends_well", "twelfth_night", "winters_tale",
-    ),
-}
 
 
 def embedding_space(embedding: torch.Tensor) -> TokenSpace:
@@ -137,19 +132,48 @@ def fine_tune(base_dir: Path, out: Path, train_ids: np.ndarray, heldout_ids: np.
                          eval_every=max(1, steps // 3), eval_windows=16)
     trainer = LoraTrainer(config, base, train_ids, heldout_ids, rank, alpha)
     every_window = heldout_windows(heldout_ids, context)
-    before = trainer.heldout_nll(every_window)
+    before = trainer.heldout_token_nll(every_window)
     state = trainer.run(progress=progress)
-    after = trainer.heldout_nll(every_window)
+    after = trainer.heldout_token_nll(every_window)
+    margin = paired_margin(before, after)
     record = trainer.record | {
         "base": str(base_dir), "rank": rank, "alpha": alpha, "target_modules": TARGET_MODULES,
         "train_tokens": len(train_ids), "heldout_tokens": len(heldout_ids), "steps_done": state.step,
         "seconds": round(state.seconds, 1), "threads": torch.get_num_threads(),
-        "heldout_loss_before": before, "heldout_loss_after": after, "config": asdict(config), **(about or {}),
+        "heldout_loss_before": margin.pop("before"), "heldout_loss_after": margin.pop("after"),
+        "heldout_margin": margin, "base_trained_on": base_training_works(base_dir), "config": asdict(config),
+        **(about or {}),
     }
     write_adapter(out, trainer.model.site_tensors(), adapter_config(rank, alpha, TARGET_MODULES, base_model=str(base_dir)))
     (out / RECORD_FILE).write_text(json.dumps(record, indent=1) + "\n")
     read_adapter(out, base.config)  # what was written must load as it will be served
     return record
+
+
+def paired_margin(before: list[torch.Tensor], after: list[torch.Tensor]) -> dict:
+    """The held-out loss before and after, and how much lower after is (nats per token) with a 95%
+    interval. The same tokens are scored twice, so the interval is the paired difference's; its
+    standard error treats each window as one draw (tokens within a window are not independent)."""
+    differences = [(b - a).double() for b, a in zip(before, after)]
+    count = sum(len(d) for d in differences)
+    mean = float(sum(d.sum() for d in differences)) / count
+    # Cluster-robust standard error of a mean: the windows' summed deviations from it.
+    spread = sum(float((d - mean).sum()) ** 2 for d in differences)
+    error = math.sqrt(len(differences) / max(len(differences) - 1, 1) * spread) / count
+    return {
+        "before": float(sum(b.double().sum() for b in before)) / count,
+        "after": float(sum(a.double().sum() for a in after)) / count,
+        "mean": mean, "low": mean - 1.96 * error, "high": mean + 1.96 * error,
+        "windows": len(differences), "tokens": count,
+    }
+
+
+def base_training_works(base_dir: Path) -> list[str] | None:
+    """The works the base was trained on, as weights.train recorded them (None: not recorded)."""
+    record = base_dir / "TRAINING.json"
+    if not record.exists():
+        return None
+    return json.loads(record.read_text()).get("corpus", {}).get("train_works")
 
 
 def train_lora(base_dir: Path, out: Path, slice_name: str = "poems", **options) -> dict:
@@ -158,13 +182,18 @@ def train_lora(base_dir: Path, out: Path, slice_name: str = "poems", **options) 
     train_ids, heldout_ids, train_names, heldout_names = slice_streams(slice_name, tokenizer)
     print(f"slice {slice_name}: {len(train_names)} works, {len(train_ids):,} tokens for training; held out "
           f"{', '.join(heldout_names)}: {len(heldout_ids):,} tokens", file=sys.stderr)
+    seen = sorted(set(base_training_works(base_dir) or ()) & set(train_names))
+    if seen:
+        print(f"note: the base was trained on {len(seen)} of the slice's {len(train_names)} works ({', '.join(seen)}): "
+              "the adapter's margin then measures little more than further training (a base trained with "
+              f"--leave-out {slice_name} leaves it something to learn)", file=sys.stderr)
     about = {"slice": slice_name, "train_works": train_names, "heldout_works": heldout_names}
     return fine_tune(base_dir, out, train_ids, heldout_ids, about=about, **options)
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--base", type=Path, default=REPO_WEIGHTS / "shakespeare")
+    parser.add_argument("--base", type=Path, default=REPO_WEIGHTS / "shakespeare-histories-tragedies")
     parser.add_argument("--out", type=Path, default=None, help="default: weights/lora-SLICE")
     parser.add_argument("--slice", choices=sorted(SLICES), default="poems")
     parser.add_argument("--rank", type=int, default=16)
@@ -181,8 +210,11 @@ def main(argv: list[str] | None = None) -> None:
                         lr=args.lr, seed=args.seed)
     print(f"wrote {out} after {record['steps_done']} steps in {time.perf_counter() - started:.0f} s")
     print(f"held-out loss on {', '.join(record['heldout_works'])} ({record['heldout_tokens']:,} tokens), nats per token:")
+    margin = record["heldout_margin"]
     print(f"  base          {record['heldout_loss_before']:.4f}")
     print(f"  base + LoRA   {record['heldout_loss_after']:.4f}")
+    print(f"  lower by      {margin['mean']:.4f} (95% interval {margin['low']:.4f} to {margin['high']:.4f}, "
+          f"paired over {margin['windows']} windows)")
 
 
 if __name__ == "__main__":

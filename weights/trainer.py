@@ -232,7 +232,12 @@ class Trainer:
 
     def heldout_nll(self, windows: list[np.ndarray]) -> float:
         """Mean full-vocabulary NLL (nats/token) of every target of the windows."""
-        total, count = 0.0, 0
+        per_window = self.heldout_token_nll(windows)
+        return float(sum(nll.double().sum() for nll in per_window)) / sum(len(nll) for nll in per_window)
+
+    def heldout_token_nll(self, windows: list[np.ndarray]) -> list[torch.Tensor]:
+        """Each window's per-target full-vocabulary NLLs (nats)."""
+        per_window = []
         self.model.eval()
         with torch.no_grad():
             for window in windows:
@@ -241,11 +246,9 @@ class Trainer:
                 targets = ids[0, 1:]
                 nll = token_nll(out.head_input[0], self.model.tied_embedding, targets, self.space.offset)
                 # A token outside the kept rows is one of `unused` tokens sharing the other row.
-                nll = nll + (targets == self.space.other) * math.log(max(self.space.unused, 1))
-                total += float(nll.double().sum())
-                count += len(targets)
+                per_window.append(nll + (targets == self.space.other) * math.log(max(self.space.unused, 1)))
         self.model.train()
-        return total / count
+        return per_window
 
     def optimizers(self) -> list[torch.optim.Optimizer]:
         """AdamW for everything; or Muon (torch.optim.Muon, its update scaled to AdamW's RMS so

