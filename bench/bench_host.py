@@ -18,6 +18,11 @@ machine being shared with the clients, unlike wall time) and the server's /metri
   (how full the batch ran: the device's pace, --device-ms, decides how much streams overlap);
 - HTTP µs per token: the HTTP process's CPU time over the tokens the clients received.
 The issue's goals: at most 10 µs per row-step at 256 streams, 30 µs HTTP CPU per token at 64.
+
+`--core-only`: the engine core alone in one process per checkout (bench/host_core.py: no HTTP, no
+IPC, no device pacing, N requests always running and replaced as they end), its CPU time per
+row-step at each --streams count as the number running: a steadier figure for the core's own
+bookkeeping, where a server's depends on how full its clients keep the batch.
 A tiny model is served (one 64-wide layer, GPT-2's vocabulary and tokenizer): with the stand-ins
 its size changes nothing but the memory the KV cache takes.
 """
@@ -27,9 +32,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import re
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -45,6 +52,7 @@ from tests.processes import cpu_seconds, engine_core_pid
 
 TINY = GPT2Config(vocab_size=50257, n_positions=256, n_embd=64, n_layer=1, n_head=1)
 LAUNCHER = "gpt2_host_standin"  # bench/host_standin.py's name beside another checkout
+CORE_ONLY = "gpt2_host_core"  # bench/host_core.py's
 MIN_TOKENS = 2048  # per measurement: enough clock ticks (10 ms) of CPU time to read
 
 
@@ -134,6 +142,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=2, help="each checkout's measurements, alternating")
     parser.add_argument("--against", type=Path, default=None, metavar="CHECKOUT",
                         help="another checkout (git worktree) of the code: its server runs beside this one's")
+    parser.add_argument("--core-only", action="store_true", help="the engine core alone, in process (bench/host_core.py)")
+    parser.add_argument("--overlap", action="store_true", help="--core-only: with the core's overlap on (as on CUDA)")
     add_smoke_argument(parser)
     args = parser.parse_args(argv)
     args.min_tokens = MIN_TOKENS
@@ -152,6 +162,9 @@ def main(argv: list[str] | None = None) -> None:
         launcher_dir = Path(tmp) / "launcher"
         launcher_dir.mkdir()
         shutil.copy(here / "bench" / "host_standin.py", launcher_dir / f"{LAUNCHER}.py")
+        if args.core_only:
+            shutil.copy(here / "bench" / "host_core.py", launcher_dir / f"{CORE_ONLY}.py")
+            return compare_cores(checkouts, launcher_dir, args)
         model_dir = write_random_model(Path(tmp) / "tiny", TINY)
         texts = prompt_texts(max(max(args.streams), 17), 8)
         servers = {name: StandinServer(path, launcher_dir, model_dir, max(args.streams), args.new_tokens,
@@ -177,6 +190,30 @@ def main(argv: list[str] | None = None) -> None:
             for server in servers.values():
                 server.stop()
     print_summary(costs, checkouts, args.streams)
+
+
+def compare_cores(checkouts: dict[str, Path], launcher_dir: Path, args: argparse.Namespace) -> None:
+    """bench/host_core.py in each checkout, alternating rounds; medians and new/old."""
+    costs: dict[tuple[str, int], list[float]] = {}
+    for round_ in range(args.rounds):
+        for running in args.streams:
+            for name in checkouts if round_ % 2 == 0 else reversed(checkouts):
+                command = [sys.executable, "-m", CORE_ONLY, "--running", str(running)] + ["--overlap"] * args.overlap
+                if args.smoke:
+                    command += ["--steps", "5", "--warmup-steps", "5"]
+                done = subprocess.run(command, cwd=checkouts[name], capture_output=True, text=True, check=False,
+                                      env=os.environ | {"PYTHONPATH": f"{launcher_dir}{os.pathsep}{checkouts[name]}"})
+                if done.returncode:
+                    raise RuntimeError(f"{name}: {' '.join(command)} failed:\n{done.stderr[-3000:]}")
+                result = json.loads(done.stdout.strip().splitlines()[-1])
+                costs.setdefault((name, running), []).append(result["us_per_row_step"])
+                print(f"round {round_} {name:3s} {running:4d} running: core {result['us_per_row_step']:6.2f} µs/row-step,"
+                      f" {result['rows_per_step']:5.1f} rows/step", flush=True)
+    print(f"\ncore alone, CPU µs per row-step, medians over rounds ({', '.join(f'{n}: {p}' for n, p in checkouts.items())})")
+    for running in args.streams:
+        medians = {name: statistics.median(costs[(name, running)]) for name in checkouts}
+        ratio = f"  new/old {medians['new'] / medians['old']:.2f}x" if "old" in medians else ""
+        print(f"{running:5d} running: " + "  ".join(f"{n} {m:.2f}" for n, m in medians.items()) + ratio)
 
 
 def print_summary(costs: dict[tuple[str, int], list[HostCost]], checkouts: dict[str, Path], streams: list[int]) -> None:

@@ -84,6 +84,11 @@ class KVCache:
         self._used.add(slot)
 
     @property
+    def packed(self) -> bool:
+        """The slots in use are 0..slots_used-1: no free slot below a used one."""
+        return not self._free or self._free[0] >= len(self._used)
+
+    @property
     def free_slots(self) -> list[int]:
         return sorted(self._free)
 

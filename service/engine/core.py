@@ -31,7 +31,7 @@ from service.engine.forward import forward_from
 from service.engine.grammar import Grammars
 from service.engine.graphs import StaticDecode
 from service.engine.prompt_scores import add_prompt_scores
-from service.engine.scheduler import BY_SLOT, PrefillChunk, RequestState, Scheduler, Sequence, StepPlan
+from service.engine.scheduler import PrefillChunk, RequestState, Scheduler, Sequence, StepPlan
 from service.engine.step_sampler import LaunchedStep, SampledToken, StepRows, StepSampler
 from service.engine.speculation import kept_length, new_drafter, propose
 from service.engine.ngram_drafter import NgramSettings
@@ -145,7 +145,7 @@ class EngineCore:
         try:
             # Overlap: this step is launched before the previous one's tokens are read, unless a
             # running request needs every token on the host before its next step can be built.
-            overlap = self.overlap and not any(state.host_paced for state in self.scheduler.running)
+            overlap = self.overlap and not self.scheduler.host_paced_running
             previous, self._launched = self._launched, None
             if previous is not None and not overlap:
                 self._postprocess(previous, results)
@@ -155,12 +155,13 @@ class EngineCore:
             results.done += [self._finish(state) for state in plan.cancelled]
             prefill_tokens = plan.prefill_tokens
             cached_tokens = plan.cached_tokens
-            decode_tokens = sum(len(s.live) for s in plan.decode)
-            results.decode_output_tokens += sum(len(s.live) for s in plan.decode if s.beam is not None)  # one each
+            if self.scheduler.host_paced_running:  # beams among them: one output token per step each
+                results.decode_output_tokens += sum(len(s.live) for s in plan.decode if s.beam is not None)
             self._rearrange(plan)
             launched = self._launch(plan, overlap) if plan.prefill or plan.decode else None
             if launched is not None:
                 batch_size = len(launched.rows.row_of)
+                decode_tokens = len(launched.rows.decoding)
             if previous is not None:
                 self._postprocess(previous, results)
             if overlap:
@@ -207,6 +208,7 @@ class EngineCore:
                 if state.beam is not None and advance_beams(state, logits, rows.row_of, self.cache):
                     for beam in state.sequences:  # finish() gives each hypothesis its reason
                         self.scheduler.release_sequence(beam, "length", state)
+                    launched.ended.append(state)
         if deferred:
             for _, seq in rows.sampled:
                 seq.pending += 1
@@ -233,8 +235,9 @@ class EngineCore:
             for s in launched.completing
             if not s.reported
         ]
-        self._advance_all(sampled, results)
-        finished = [state for state in launched.active if state.done and not state.reported]
+        self._advance_all(sampled, results, launched.ended)
+        # Only requests a sequence of which ended here can be done: no pass over every row.
+        finished = [state for state in {id(s): s for s in launched.ended}.values() if state.done and not state.reported]
         if finished:
             results.done += [self._finish(state) for state in finished]
             self.scheduler.drop_finished(finished)
@@ -298,27 +301,38 @@ class EngineCore:
         Index tensors are built here: on CUDA a host→device copy waits for queued work, so
         making them after the forwards were launched would stall the host until they finish.
         """
-        decoding = sorted((seq for s in plan.decode for seq in s.live), key=BY_SLOT)
-        # One logits row per prompt chunk (a completed prompt's sequences share it), then one per
-        # decoding sequence. A chunk that leaves part of its prompt for later samples nothing.
-        row_of = {
-            seq.slot: row for row, chunk in enumerate(plan.prefill) if chunk.completes for seq in chunk.state.sequences
-        }
-        row = len(plan.prefill)
-        sampled = [(state, seq) for state in plan.completing + plan.decode if state.beam is None for seq in state.live]
-        if not any(seq.draft for seq in decoding):
+        # The decoding sequences' rows first, in slot order (1 + k for one with a draft), then one
+        # row per prompt chunk (a completed prompt's sequences share it; a chunk that leaves part
+        # of its prompt for later samples nothing); the sampled rows in the same order. Once the
+        # running sequences are packed into slots 0..D-1 and the prompts completing this step
+        # took the next free slots (the usual step under load: some finish, some are admitted),
+        # sampled row b is logits row b and slot b for every b: the read path without gathers.
+        by_slot = sorted([(seq.slot, state, seq) for state in plan.decode for seq in state.live])  # slots are unique
+        decoding = [seq for _, _, seq in by_slot]
+        sampled = [(state, seq) for _, state, seq in by_slot]
+        if self.scheduler.host_paced_running:  # beams among them, perhaps: they choose their own tokens
+            sampled = [(state, seq) for state, seq in sampled if state.beam is None]
+        drafted = any(seq.draft for seq in decoding)
+        if not drafted:
             # Comprehensions, not a loop of appends: this runs over every row of every step.
-            row_of.update(zip([seq.slot for seq in decoding], range(row, row + len(decoding))))
-            row += len(decoding)
-            slots = [seq.slot for _, seq in sampled]
-            logit_rows = [row_of[slot] for slot in slots]
-            counters = [len(seq.token_ids) + seq.pending for _, seq in sampled]
+            row_of = dict(zip([seq.slot for seq in decoding], range(len(decoding))))
+            row = len(decoding)
         else:
+            row_of, row = {}, 0
             for seq in decoding:
                 row_of[seq.slot] = row
                 row += 1 + len(seq.draft)
             # Row j of a sequence's 1 + k draws the token at its length + j (its seed's draw there).
             sampled = [(state, seq) for state, seq in sampled for _ in range(1 + len(seq.draft))]
+        for index, chunk in enumerate(plan.prefill):
+            if chunk.completes:
+                row_of.update((seq.slot, row + index) for seq in chunk.state.sequences)
+        sampled += [(state, seq) for state in plan.completing if state.beam is None for seq in state.live]
+        if not drafted:
+            slots = [seq.slot for _, seq in sampled]
+            logit_rows = [row_of[slot] for slot in slots]
+            counters = [len(seq.token_ids) + seq.pending for _, seq in sampled]
+        else:
             logit_rows, slots, counters, previous, j = [], [], [], None, 0
             for _, seq in sampled:
                 j = j + 1 if seq is previous else 0
@@ -329,16 +343,16 @@ class EngineCore:
         # One host→device copy for the three index vectors: [3, B].
         indices = to_device([logit_rows, slots, counters], self.device)
         sample_rows, sample_slots, sample_counters = indices  # [B] each
-        in_order = row == len(slots) and logit_rows == slots == list(range(len(slots)))
+        in_order = logit_rows == slots == list(range(len(slots)))
         return StepRows(decoding, row_of, sampled, sample_rows, sample_slots, sample_counters, in_order)
 
     def _run(self, plan: StepPlan, rows: StepRows) -> torch.Tensor:
-        """Logits [rows, V] in the layout of `rows`: prefill rows, then decode rows."""
+        """Logits [rows, V] in the layout of `rows`: decode rows, then prefill rows."""
         # The two forwards touch disjoint cache entries (padded rows write only positions no
         # sequence caches), so their order is free.
         decoded = self._decode(rows.decoding) if rows.decoding else None
         prefilled = self._prefill(plan.prefill) if plan.prefill else None
-        parts = [part for part in (prefilled, decoded) if part is not None]
+        parts = [part for part in (decoded, prefilled) if part is not None]
         return torch.cat(parts) if len(parts) > 1 else parts[0]
 
     def _prefill(self, chunks: list[PrefillChunk]) -> torch.Tensor:
@@ -401,8 +415,9 @@ class EngineCore:
 
 
     # --- postprocess ------------------------------------------------------------------------------
-    def _advance_all(self, sampled: list[SampledToken], results: StepResults) -> None:
-        """Append each sequence's tokens: its draft's that stand, then the model's own."""
+    def _advance_all(self, sampled: list[SampledToken], results: StepResults, ended: list[RequestState]) -> None:
+        """Append each sequence's tokens: its draft's that stand, then the model's own. The
+        requests a sequence of which ended are added to `ended`."""
         start = 0
         while start < len(sampled):
             seq = sampled[start].seq
@@ -410,7 +425,10 @@ class EngineCore:
                 start += 1
                 continue
             if not seq.draft and seq.drafter is None:  # the usual row: one token, no draft to judge
-                results.tokens.append(self._advance(sampled[start]))
+                token = self._advance(sampled[start])
+                results.tokens.append(token)
+                if token[4] is not None:  # its finish reason
+                    ended.append(sampled[start].state)
                 results.decode_output_tokens += len(seq.token_ids) - 1 > seq.prompt_length
                 start += 1
                 continue
@@ -422,6 +440,7 @@ class EngineCore:
                 results.tokens.append(self._advance(token))
                 emitted += 1
                 if seq.finish_reason is not None:
+                    ended.append(token.state)
                     break
             if decoding:
                 results.decode_output_tokens += emitted

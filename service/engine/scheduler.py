@@ -207,7 +207,13 @@ class Scheduler:
         self.max_waiting = max_waiting
         self.max_prefill_tokens = max_prefill_tokens
         self.prefix = PrefixCache(prefix_caching)
+        # Kept up to date as requests come and go (_enter, _leave), so that neither a step nor an
+        # admission asks every running request: the running requests in admission order, those
+        # among them that need the host's tokens before each step (RequestState.host_paced), and
+        # them by their prompt's first token (only those can share a prefix with a new prompt).
         self.running: list[RequestState] = []
+        self.host_paced_running = 0
+        self._by_first_token: dict[int, list[RequestState]] = {}
         self._lock = threading.Lock()
         self._waiting: deque[list[RequestState]] = deque()  # submissions, in arrival order
         self._waiting_count = 0
@@ -268,23 +274,27 @@ class Scheduler:
         with self._lock:
             cancel, self._cancel = self._cancel, set()
             cancelled = self._drop_waiting(lambda state: state.request.request_id in cancel)
-        kept = []
-        for state in self.running:
-            if state.request.request_id in cancel:
+        if cancel:
+            leaving = [state for state in self.running if state.request.request_id in cancel]
+            for state in leaving:
                 self._release_cancelled(state)
-                cancelled.append(state)
-            else:
-                kept.append(state)
-        self.running = kept
+            self._leave(leaving)
+            cancelled += leaving
+        kept = self.running
         budget = PrefillBudget(self.max_prefill_tokens)
         # Prompts already admitted go on first, in admission order; then new ones while slots
         # and the budget allow.
         chunks, decode = [], []
         for state in kept:
-            if not state.prefilling:
-                if not state.exhausted:  # a row more would draw past max_new_tokens
+            # Inline, not properties: this runs over every running request every step.
+            prompt_length = len(state.request.prompt_ids)
+            if state.prefilled >= prompt_length:
+                sequences = state.sequences
+                # A sequence with a token in flight may have drawn its last (`exhausted`): a
+                # row more would draw past max_new_tokens.
+                if (len(sequences) == 1 and not sequences[0].pending) or not state.exhausted:
                     decode.append(state)
-            elif size := budget.take(len(state.request.prompt_ids) - state.prefilled):
+            elif size := budget.take(prompt_length - state.prefilled):
                 chunks.append(PrefillChunk(state, state.prefilled, state.prefilled + size))
         pending: list[tuple[Sequence, Sequence, int]] = []  # (source, destination, length)
         admitted = self._admit(now, budget, chunks, pending)
@@ -333,20 +343,19 @@ class Scheduler:
 
     def _running_prefixes(self, first_token: int, adapter: int) -> list[tuple[Sequence, list[int], int, ScoredPrefix | None]]:
         """Running sequences' cached tokens starting with `first_token`, computed with `adapter`
-        (no other can share a prefix). Plain loops, no properties: this runs over every running
-        sequence per admission."""
+        (no other can share a prefix)."""
         return [
             (seq, seq.token_ids, seq.cached, state.scored_prefix)
-            for state in self.running
+            for state in self._by_first_token.get(first_token, ())
             for seq in state.sequences
-            if seq.cached and seq.finish_reason is None and seq.token_ids[0] == first_token and seq.adapter == adapter
+            if seq.cached and seq.finish_reason is None and seq.adapter == adapter
         ]
 
     def _worth_waiting(self, state: RequestState, reused: int) -> bool:
         prompt, wanted = state.request.prompt_ids, state.score_alternatives
-        for other in self.running:
-            if other.prefilled >= len(other.request.prompt_ids) or other.request.prompt_ids[0] != prompt[0]:
-                continue  # not prefilling (inline: hundreds per admission), or nothing shared
+        for other in self._by_first_token.get(prompt[0], ()):  # nothing shared with the others
+            if other.prefilled >= len(other.request.prompt_ids):
+                continue  # not prefilling
             if other.adapter != state.adapter:
                 continue  # another adapter's keys
             if wanted is not None and (not other.params.prompt_logprobs or other.params.top_logprobs < wanted):
@@ -375,6 +384,8 @@ class Scheduler:
         except Exception:
             self.cache.free(slots)
             raise
+        self.host_paced_running += state.host_paced
+        self._by_first_token.setdefault(state.request.prompt_ids[0], []).append(state)
         if match is None:
             return
         state.prefilled = state.reused = match.length
@@ -402,13 +413,29 @@ class Scheduler:
         return any(state.adapter == adapter for state in self.running + waiting)
 
     def drop_finished(self, finished: list[RequestState]) -> None:
-        gone = {id(state) for state in finished}
+        self._leave(finished)
+
+    def _leave(self, states: list[RequestState]) -> None:
+        """Running requests leave (finished or cancelled): what is kept about the running follows."""
+        if not states:
+            return
+        gone = {id(state) for state in states}
         self.running = [s for s in self.running if id(s) not in gone]
+        for state in states:
+            self.host_paced_running -= state.host_paced
+            first_token = state.request.prompt_ids[0]
+            group = self._by_first_token.get(first_token)
+            if group is not None and any(s is state for s in group):
+                group[:] = [s for s in group if s is not state]
+                if not group:
+                    del self._by_first_token[first_token]
 
     def abort_running(self) -> list[RequestState]:
         """Free every running request's slots (after a failed step) and forget them, and
         everything the cache kept: a failed step may have left any slot half-written."""
         aborted, self.running = self.running, []
+        self.host_paced_running = 0
+        self._by_first_token.clear()
         for state in aborted:
             self._release_cancelled(state)
             self.forget(state.request.request_id)
@@ -440,6 +467,8 @@ class Scheduler:
         (copy) every row's keys and values in every layer of every step. A hole that holds a
         retained prefix swaps it into the slot the sequence left, so packing evicts nothing.
         """
+        if self.cache.packed:  # the slots in use are the live sequences': none above a hole
+            return []
         moves = []
         live = sorted((seq for state in self.running for seq in state.live), key=BY_SLOT)
         while live and live[-1].slot >= len(live):

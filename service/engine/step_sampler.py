@@ -10,7 +10,7 @@ decode feeds when the host has not read it yet.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -35,10 +35,11 @@ class StepRows:
     sample_rows: torch.Tensor  # [B] logits row of each sampled sequence
     sample_slots: torch.Tensor  # [B] its KV-cache slot (and parameter-table row)
     sample_counters: torch.Tensor  # [B] tokens its sequence holds: which draw of its seed
-    # Row b of the logits is slot b's, for every b, and nothing else: the usual decode step
-    # once the running sequences are packed into slots 0..B-1 (a persistent batch). The
-    # per-slot tables are then read as views of their first B rows and the logits as they
-    # are, with no gather (on a GPU: no [B, V] copy and no index kernels).
+    # Sampled row b is logits row b and slot b's, for every b (rows after them, prompt chunks
+    # that sample nothing, are left alone): the usual step once the running sequences are
+    # packed into slots 0..B-1 (a persistent batch). The per-slot tables are then read as views
+    # of their first B rows and the logits as a view of theirs, with no gather (on a GPU: no
+    # [B, V] copy and no index kernels).
     in_slot_order: bool = False
 
     @property
@@ -69,6 +70,9 @@ class LaunchedStep:
     # Read after the next step was launched (overlap): its rows count as pending meanwhile, and
     # its tokens were left on the device for that next step to feed.
     deferred: bool = False
+    # Requests a sequence of which ended in this step (beams at launch, the rest when read):
+    # the only ones that can have finished.
+    ended: list[RequestState] = field(default_factory=list)
 
 
 class StepSampler:
@@ -106,7 +110,7 @@ class StepSampler:
         params = self.slot_params.gather(read, special)
         params.controls = self.slot_controls.gather(read, rows.sample_counters, special)
         seen = self.slot_params.seen(read) if params.any_penalty else None
-        step_logits = logits if rows.in_slot_order else logits[rows.sample_rows]  # [B, V]
+        step_logits = logits[: len(rows.sampled)] if rows.in_slot_order else logits[rows.sample_rows]  # [B, V]
         if any(p.grammar is not None for p in special):
             # The grammar's forbidden tokens at -inf before anything reads the logits: the
             # sampler, the log-probabilities and the alternatives see the constrained

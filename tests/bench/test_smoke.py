@@ -160,6 +160,11 @@ def test_bench_host_times_the_standin_server_of_two_checkouts():
     assert_columns(out, "core µs/row-step", "core ms/step", "rows/step", "HTTP µs/token", "new/old")
 
 
+def test_bench_host_core_only_times_the_core_of_two_checkouts():
+    out = run_bench("bench_host", "--smoke", "--core-only", "--overlap", "--against", REPO)
+    assert_columns(out, "core alone, CPU µs per row-step", "running: new", "new/old")
+
+
 def test_bench_prefix_runs_every_workload_and_stops_its_servers(tiny_model_dir, tmp_path):
     """--chunk = --prefill-tokens: "chunked" and "whole" are the "on" server, so every workload
     runs on two servers. Stopping them crashed bench_prefix and bench_speculative at the end."""

@@ -55,6 +55,12 @@ def run(make_engine, entries, overlap: bool, cancel: dict[str, int] | None = Non
                 engine.cancel(request_id)
         output = engine.step()
         assert not output.failed, output.failed
+        scheduler = engine.core.scheduler  # its count, kept as requests come and go, is the real one
+        assert scheduler.host_paced_running == sum(state.host_paced for state in scheduler.running)
+        # What packing's shortcut (KVCache.packed) relies on: the slots in use are the live sequences'.
+        live = sorted(seq.slot for state in scheduler.running for seq in state.live)
+        assert len(live) == engine.cache.slots_used
+        assert not engine.cache.packed or live == list(range(len(live)))
         results.update((f.request_id, outcome(f)) for f in output.finished)
         ahead += engine.core._launched is not None
         if len(results) == len(requests) and not engine.has_work():
