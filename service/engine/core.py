@@ -32,7 +32,7 @@ from service.engine.grammar import Grammars
 from service.engine.graphs import StaticDecode
 from service.engine.prompt_scores import add_prompt_scores
 from service.engine.scheduler import PrefillChunk, RequestState, Scheduler, Sequence, StepPlan
-from service.engine.step_sampler import LaunchedStep, SampledToken, StepRows, StepSampler
+from service.engine.step_sampler import LaunchedStep, StepRows, StepSampler, alternatives
 from service.engine.speculation import kept_length, new_drafter, propose
 from service.engine.ngram_drafter import NgramSettings
 from service.engine.types import (
@@ -43,6 +43,7 @@ from service.engine.types import (
     RequestFailed,
     RequestStarted,
     StepStats,
+    TopLogprobs,
 )
 
 log = logging.getLogger(__name__)
@@ -226,16 +227,16 @@ class EngineCore:
     def _postprocess(self, launched: LaunchedStep, results: StepResults) -> None:
         """Read a launched step's tokens and append them; report who started and who finished.
         Requests cancelled, or finished by an earlier step, since it was launched get nothing."""
-        sampled = self.sampler.read(launched)
+        host = self.sampler.read(launched)
         if launched.deferred:
-            for token in sampled:
-                token.seq.pending -= 1
+            for _, seq in launched.rows.sampled:
+                seq.pending -= 1
         results.started += [
             RequestStarted(s.request.request_id, s.scheduled_time - s.request.arrival_time, s.seed, s.prompt_scores)
             for s in launched.completing
             if not s.reported
         ]
-        self._advance_all(sampled, results, launched.ended)
+        self._advance_all(launched, host, results)
         # Only requests a sequence of which ended here can be done: no pass over every row.
         finished = [state for state in {id(s): s for s in launched.ended}.values() if state.done and not state.reported]
         if finished:
@@ -415,32 +416,36 @@ class EngineCore:
 
 
     # --- postprocess ------------------------------------------------------------------------------
-    def _advance_all(self, sampled: list[SampledToken], results: StepResults, ended: list[RequestState]) -> None:
-        """Append each sequence's tokens: its draft's that stand, then the model's own. The
-        requests a sequence of which ended are added to `ended`."""
+    def _advance_all(self, launched: LaunchedStep, host: list[list[float]], results: StepResults) -> None:
+        """Append each sequence's tokens (`host`: the sampler's rows, one per sampled row): its
+        draft's that stand, then the model's own. The requests a sequence of which ended are added
+        to `launched.ended`."""
+        sampled, n, ended = launched.rows.sampled, launched.alternatives, launched.ended
         start = 0
         while start < len(sampled):
-            seq = sampled[start].seq
+            state, seq = sampled[start]
             if seq.finish_reason is not None:  # ended (or cancelled) since its step was launched
                 start += 1
                 continue
             if not seq.draft and seq.drafter is None:  # the usual row: one token, no draft to judge
-                token = self._advance(sampled[start])
+                row = host[start]
+                token = self._advance(state, seq, row, alternatives(row, n, state.params.top_logprobs) if n else None)
                 results.tokens.append(token)
                 if token[4] is not None:  # its finish reason
-                    ended.append(sampled[start].state)
+                    ended.append(state)
                 results.decode_output_tokens += len(seq.token_ids) - 1 > seq.prompt_length
                 start += 1
                 continue
             end = start + 1 + len(seq.draft)
             draft, decoding = seq.draft, len(seq.token_ids) > seq.prompt_length
-            keep = kept_length([s.token for s in sampled[start:end]], draft)
+            keep = kept_length([int(row[0]) for row in host[start:end]], draft)
             emitted = 0
-            for token in sampled[start : start + keep]:
-                results.tokens.append(self._advance(token))
+            for row in host[start : start + keep]:
+                top = alternatives(row, n, state.params.top_logprobs) if n else None
+                results.tokens.append(self._advance(state, seq, row, top))
                 emitted += 1
                 if seq.finish_reason is not None:
-                    ended.append(token.state)
+                    ended.append(state)
                     break
             if decoding:
                 results.decode_output_tokens += emitted
@@ -451,8 +456,9 @@ class EngineCore:
             seq.draft = []
             start = end
 
-    def _advance(self, sampled: SampledToken) -> CoreToken:
-        state, seq, token = sampled.state, sampled.seq, sampled.token
+    def _advance(self, state: RequestState, seq: Sequence, row: list[float], top: TopLogprobs | None) -> CoreToken:
+        """Append the token of a sampler's row (`row`: [token, log-prob, ...]) and check its stops."""
+        token = int(row[0])
         seq.token_ids.append(token)
         seq.cached = len(seq.token_ids) - 1  # the forward that chose it wrote every earlier token
         params = state.request.params
@@ -468,7 +474,7 @@ class EngineCore:
             reason = None
         if reason is not None:
             self.scheduler.release_sequence(seq, reason, state)
-        return (state.request.request_id, seq.index, token, sampled.logprob, reason, sampled.top)
+        return (state.request.request_id, seq.index, token, row[1], reason, top)
 
     def _finish(self, state: RequestState) -> RequestDone:
         state.reported = True

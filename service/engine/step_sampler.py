@@ -48,15 +48,6 @@ class StepRows:
         return slice(0, len(self.sampled)) if self.in_slot_order else self.sample_slots
 
 
-@dataclass(slots=True)
-class SampledToken:
-    state: RequestState
-    seq: Sequence
-    token: int
-    logprob: float
-    top: TopLogprobs | None = None
-
-
 @dataclass
 class LaunchedStep:
     """A step whose forwards and sampling are queued on the device; its tokens not yet read."""
@@ -139,19 +130,15 @@ class StepSampler:
             ready.record()
         return LaunchedStep(rows, active, completing, host, n, ready, deferred)
 
-    def read(self, launched: LaunchedStep) -> list[SampledToken]:
-        """The launched step's sampled tokens, once the device has them on the host."""
+    def read(self, launched: LaunchedStep) -> list[list[float]]:
+        """The launched step's host rows, one per sampled row (`launched.rows.sampled`), once the
+        device has them: [token, log-prob, n alternative ids, their n log-probs] (`alternatives`
+        makes a row's wanted ones of those). Plain lists: the caller reads each row once."""
         if launched.sampled is None:
             return []
         if launched.ready is not None:
             launched.ready.synchronize()
-        host, n, sampled = launched.sampled.tolist(), launched.alternatives, launched.rows.sampled
-        if not n:
-            return [SampledToken(state, seq, int(row[0]), row[1]) for (state, seq), row in zip(sampled, host)]
-        return [
-            SampledToken(state, seq, int(row[0]), row[1], alternatives(row, n, state.params.top_logprobs))
-            for (state, seq), row in zip(sampled, host)
-        ]
+        return launched.sampled.tolist()
 
 
 def alternatives(row: list[float], n: int, wanted: int) -> TopLogprobs | None:
