@@ -129,7 +129,8 @@ def build_client(state: ServiceState, link: CoreLink | None = None) -> EngineCli
     return EngineClient(
         core_config(settings, state.limits.context_length, state.tokenizer.eos_token_id),
         state.tokenizer,
-        on_step=state.metrics.observe_step,
+        # Every process gets every step's stats; the first counts them (Metrics.observe_step_gauges).
+        on_step=state.metrics.observe_step if link is None or link.index == 0 else state.metrics.observe_step_gauges,
         max_in_flight=settings.max_batch_size + settings.max_waiting,
         link=link,
     )

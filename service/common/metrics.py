@@ -134,6 +134,7 @@ class Metrics:
 
     def observe_step(self, stats: StepStats) -> None:
         """The engine client's per-step callback, on the event loop as each step's output arrives."""
+        self.observe_step_gauges(stats)
         if stats.batch_size:
             self.batch_size.observe(stats.batch_size)
         self.prompt_tokens_computed.inc(stats.prefill_tokens)
@@ -142,6 +143,11 @@ class Metrics:
         self.decode_tokens.inc(stats.decode_output_tokens)
         self.draft_tokens.inc(stats.draft_tokens)
         self.accepted_tokens.inc(stats.accepted_tokens)
+
+    def observe_step_gauges(self, stats: StepStats) -> None:
+        """The step's gauges alone: with --api-servers N every HTTP process gets every step's stats,
+        and the scrape sums counters and histograms over the processes, so one process records
+        the step's counts (observe_step) and the others only what a gauge shows."""
         self.requests_running.set(stats.running)
         self.requests_waiting.set(stats.waiting)
         self.kv_cache_usage.set(stats.kv_usage_ratio)

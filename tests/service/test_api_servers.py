@@ -125,6 +125,21 @@ def test_one_scrape_of_either_process_counts_every_process(server):
         assert conn.metric("gpt2_requests_total", endpoint="/generate", outcome="success") == success[0] + 2
 
 
+def test_the_engines_step_counters_count_each_step_once(server):
+    """Every HTTP process gets every step's stats (for its gauges); the step's counters and
+    histograms are the core's, and the scrape sums the processes: counted once, not N times."""
+    conns = [c for (c,) in pinned_to_each(server).values()]
+    decoded, steps = conns[0].metric("gpt2_decode_tokens_total"), conns[0].metric("gpt2_batch_size_count")
+    for conn, tokens in zip(conns, (5, 9)):
+        status, _ = conn.post("/generate", {"inputs": "Count my steps", "parameters": {"max_new_tokens": tokens,
+                                                                                     "ignore_eos": True}})
+        assert status == 200
+    for conn in conns:
+        # The first token of each comes from its prompt's step; the rest from decode steps, one a step.
+        assert conn.metric("gpt2_decode_tokens_total") == decoded + (5 - 1) + (9 - 1)
+        assert conn.metric("gpt2_batch_size_count") == steps + 5 + 9
+
+
 def test_the_queue_limit_holds_for_the_whole_server(server):
     """max_batch_size 2 + max_waiting 2: four requests in flight, two on each process, fill it."""
     pinned = pinned_to_each(server, per_process=3)
