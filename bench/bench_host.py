@@ -19,6 +19,12 @@ machine being shared with the clients, unlike wall time) and the server's /metri
 - HTTP µs per token: the HTTP process's CPU time over the tokens the clients received.
 The issue's goals: at most 10 µs per row-step at 256 streams, 30 µs HTTP CPU per token at 64.
 
+`--api-servers N` runs each server with N HTTP processes (their CPU summed with the supervisor's)
+and tok/s, the tokens the clients received per second of wall time, says whether they keep up
+with the stand-in device (at most streams / --device-ms). On a many-core host (a GPU machine's,
+say) that answers whether N HTTP processes deliver what the device produces at 256 streams,
+without the device.
+
 `--core-only`: the engine core alone in one process per checkout (bench/host_core.py: no HTTP, no
 IPC, no device pacing, N requests always running and replaced as they end), its CPU time per
 row-step at each --streams count as the number running: a steadier figure for the core's own
@@ -38,6 +44,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import time
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,7 +55,7 @@ from bench.bench_serve import prompt_texts
 from bench.common import ServiceProcess, add_smoke_argument, describe_machine, write_random_model
 from bench.host_standin import TOKEN_RANGE, TOKEN_STRIDE
 from model.config import GPT2Config
-from tests.processes import cpu_seconds, engine_core_pid
+from tests.processes import api_server_pids, cpu_seconds, engine_core_pid
 
 TINY = GPT2Config(vocab_size=50257, n_positions=256, n_embd=64, n_layer=1, n_head=1)
 LAUNCHER = "gpt2_host_standin"  # bench/host_standin.py's name beside another checkout
@@ -60,10 +67,12 @@ class StandinServer(ServiceProcess):
     """A checkout's server, launched through the stand-in (copied into `launcher_dir`)."""
 
     def __init__(self, checkout: Path, launcher_dir: Path, model_dir: Path, slots: int, new_tokens: int,
-                 device_ms: float) -> None:
+                 device_ms: float, api_servers: int = 1) -> None:
         self.checkout = checkout
         flags = ["--model-dir", str(model_dir), "--max-batch-size", str(slots), "--max-waiting", str(max(64, slots)),
                  "--max-new-tokens", str(max(new_tokens, 256)), "--threads", "1"]
+        if api_servers != 1:  # the supervisor spawns the core (the stand-in reaches it) and N HTTP processes
+            flags += ["--api-servers", str(api_servers)]
         # `-m gpt2_host_standin`, not `-m service`: the same flags, the stand-ins installed first.
         super().__init__(flags, cwd=checkout, env={"PYTHONPATH": str(launcher_dir), "STANDIN_DEVICE_MS": str(device_ms)}, module=LAUNCHER)
 
@@ -86,7 +95,8 @@ class HostCost:
     core_us_per_row_step: float
     core_ms_per_step: float
     rows_per_step: float
-    http_us_per_token: float
+    http_us_per_token: float  # over every HTTP process (and the supervisor, with --api-servers)
+    tokens_per_second: float  # what the clients received, wall time
 
 
 async def light_stream(port: int, text: str, new_tokens: int) -> int:
@@ -122,14 +132,17 @@ async def drive_light(port: int, texts: list[str], streams: int, per_stream: int
 
 def measure(server: StandinServer, texts: list[str], streams: int, per_stream: int, new_tokens: int) -> HostCost:
     core_pid = engine_core_pid(server.process.pid)
+    http_pids = [server.process.pid, *api_server_pids(server.process.pid)]  # with --api-servers: the supervisor's children
     steps_before, rows_before = server.metric("gpt2_batch_size_count"), server.metric("gpt2_batch_size_sum")
-    core_before, http_before = cpu_seconds(core_pid), cpu_seconds(server.process.pid)
+    core_before, http_before = cpu_seconds(core_pid), sum(map(cpu_seconds, http_pids))
+    started = time.perf_counter()
     tokens = asyncio.run(drive_light(server.port, texts, streams, per_stream, new_tokens))
-    core_cpu, http_cpu = cpu_seconds(core_pid) - core_before, cpu_seconds(server.process.pid) - http_before
+    seconds = time.perf_counter() - started
+    core_cpu, http_cpu = cpu_seconds(core_pid) - core_before, sum(map(cpu_seconds, http_pids)) - http_before
     steps = server.metric("gpt2_batch_size_count") - steps_before
     rows = server.metric("gpt2_batch_size_sum") - rows_before
     return HostCost(core_cpu / max(rows, 1) * 1e6, core_cpu / max(steps, 1) * 1e3, rows / max(steps, 1),
-                    http_cpu / max(tokens, 1) * 1e6)
+                    http_cpu / max(tokens, 1) * 1e6, tokens / seconds)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -142,6 +155,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=2, help="each checkout's measurements, alternating")
     parser.add_argument("--against", type=Path, default=None, metavar="CHECKOUT",
                         help="another checkout (git worktree) of the code: its server runs beside this one's")
+    parser.add_argument("--api-servers", type=int, default=1,
+                        help="the servers' HTTP processes (their CPU is summed); tok/s says whether they keep up")
     parser.add_argument("--core-only", action="store_true", help="the engine core alone, in process (bench/host_core.py)")
     parser.add_argument("--overlap", action="store_true", help="--core-only: with the core's overlap on (as on CUDA)")
     add_smoke_argument(parser)
@@ -168,7 +183,7 @@ def main(argv: list[str] | None = None) -> None:
         model_dir = write_random_model(Path(tmp) / "tiny", TINY)
         texts = prompt_texts(max(max(args.streams), 17), 8)
         servers = {name: StandinServer(path, launcher_dir, model_dir, max(args.streams), args.new_tokens,
-                                     args.device_ms)
+                                     args.device_ms, args.api_servers)
                    for name, path in checkouts.items()}
         costs: dict[tuple[str, int], list[HostCost]] = {}
         try:
@@ -185,7 +200,9 @@ def main(argv: list[str] | None = None) -> None:
                         costs.setdefault((name, streams), []).append(cost)
                         print(f"round {round_} {name:3s} {streams:4d} streams: core {cost.core_us_per_row_step:6.1f} µs/row-step,"
                               f" {cost.core_ms_per_step:6.2f} ms/step, {cost.rows_per_step:5.1f} rows/step;"
-                              f" HTTP {cost.http_us_per_token:6.1f} µs/token", flush=True)
+                              f" HTTP {cost.http_us_per_token:6.1f} µs/token; {cost.tokens_per_second:8.0f} tok/s"
+                              f" (the stand-in device's pace: at most {streams / args.device_ms * 1e3 if args.device_ms else float('inf'):.0f})",
+                              flush=True)
         finally:
             for server in servers.values():
                 server.stop()
@@ -218,7 +235,8 @@ def compare_cores(checkouts: dict[str, Path], launcher_dir: Path, args: argparse
 
 def print_summary(costs: dict[tuple[str, int], list[HostCost]], checkouts: dict[str, Path], streams: list[int]) -> None:
     print(f"\nmedians over rounds ({', '.join(f'{n}: {p}' for n, p in checkouts.items())})")
-    print(f"{'streams':>7s} {'checkout':>8s} {'core µs/row-step':>17s} {'core ms/step':>13s} {'rows/step':>10s} {'HTTP µs/token':>14s}")
+    print(f"{'streams':>7s} {'checkout':>8s} {'core µs/row-step':>17s} {'core ms/step':>13s} {'rows/step':>10s} {'HTTP µs/token':>14s}"
+          f" {'tok/s':>9s}")
     for count in streams:
         for name in checkouts:
             runs = costs.get((name, count), [])
@@ -226,12 +244,12 @@ def print_summary(costs: dict[tuple[str, int], list[HostCost]], checkouts: dict[
                 continue
             med = lambda field: statistics.median(getattr(c, field) for c in runs)  # noqa: E731
             print(f"{count:7d} {name:>8s} {med('core_us_per_row_step'):17.1f} {med('core_ms_per_step'):13.2f}"
-                  f" {med('rows_per_step'):10.1f} {med('http_us_per_token'):14.1f}")
+                  f" {med('rows_per_step'):10.1f} {med('http_us_per_token'):14.1f} {med('tokens_per_second'):9.0f}")
         if "old" in checkouts and costs.get(("old", count)):
             ratio = lambda field: (statistics.median(getattr(c, field) for c in costs[("new", count)])  # noqa: E731
                                    / max(statistics.median(getattr(c, field) for c in costs[("old", count)]), 1e-9))
             print(f"{count:7d} {'new/old':>8s} {ratio('core_us_per_row_step'):16.2f}x {ratio('core_ms_per_step'):12.2f}x"
-                  f" {'':>10s} {ratio('http_us_per_token'):13.2f}x")
+                  f" {'':>10s} {ratio('http_us_per_token'):13.2f}x {ratio('tokens_per_second'):8.2f}x")
 
 
 if __name__ == "__main__":

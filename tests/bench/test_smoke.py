@@ -160,6 +160,11 @@ def test_bench_host_times_the_standin_server_of_two_checkouts():
     assert_columns(out, "core µs/row-step", "core ms/step", "rows/step", "HTTP µs/token", "new/old")
 
 
+def test_bench_host_sums_the_http_processes_of_a_server_with_api_servers():
+    out = run_bench("bench_host", "--smoke", "--api-servers", 2)
+    assert_columns(out, "core µs/row-step", "HTTP µs/token", "tok/s")
+
+
 def test_bench_host_core_only_times_the_core_of_two_checkouts():
     out = run_bench("bench_host", "--smoke", "--core-only", "--overlap", "--against", REPO)
     assert_columns(out, "core alone, CPU µs per row-step", "running: new", "new/old")
