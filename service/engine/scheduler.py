@@ -207,7 +207,7 @@ class Scheduler:
         self.max_waiting = max_waiting
         self.max_prefill_tokens = max_prefill_tokens
         self.prefix = PrefixCache(prefix_caching)
-        # Kept up to date as requests come and go (_enter, _leave), so that neither a step nor an
+        # Kept up to date as requests come and go (_place, _leave), so that neither a step nor an
         # admission asks every running request: the running requests in admission order, those
         # among them that need the host's tokens before each step (RequestState.host_paced), and
         # them by their prompt's first token (only those can share a prefix with a new prompt).
