@@ -345,13 +345,13 @@ class EngineCore:
         indices = to_device([logit_rows, slots, counters], self.device)
         sample_rows, sample_slots, sample_counters = indices  # [B] each
         in_order = logit_rows == slots == list(range(len(slots)))
-        return StepRows(decoding, row_of, sampled, sample_rows, sample_slots, sample_counters, in_order)
+        return StepRows(decoding, row_of, sampled, sample_rows, sample_slots, sample_counters, in_order, drafted)
 
     def _run(self, plan: StepPlan, rows: StepRows) -> torch.Tensor:
         """Logits [rows, V] in the layout of `rows`: decode rows, then prefill rows."""
         # The two forwards touch disjoint cache entries (padded rows write only positions no
         # sequence caches), so their order is free.
-        decoded = self._decode(rows.decoding) if rows.decoding else None
+        decoded = self._decode(rows.decoding, rows.drafted) if rows.decoding else None
         prefilled = self._prefill(plan.prefill) if plan.prefill else None
         parts = [part for part in (decoded, prefilled) if part is not None]
         return torch.cat(parts) if len(parts) > 1 else parts[0]
@@ -387,11 +387,12 @@ class EngineCore:
                 seq.cached = len(seq.token_ids)
         return out.logits  # [B, V]
 
-    def _decode(self, seqs: list[Sequence]) -> torch.Tensor:
-        """Logits [B + drafted tokens, V]: one row per sequence, 1 + k for one with a draft."""
+    def _decode(self, seqs: list[Sequence], drafted: bool) -> torch.Tensor:
+        """Logits [B + drafted tokens, V]: one row per sequence (in slot order), 1 + k for one with
+        a draft (`drafted`: some have one)."""
         slots = [s.slot for s in seqs]
         lora = self.adapters.rows(s.adapter for s in seqs)
-        if any(s.draft for s in seqs):  # verification: 1 + k positions per row, eagerly
+        if drafted:  # verification: 1 + k positions per row, eagerly
             starts = [len(s.token_ids) - 1 for s in seqs]
             pieces = [[s.token_ids[-1]] + s.draft for s in seqs]
             # Each position as decoding computes it, so a draft's length (which the batch
@@ -410,7 +411,7 @@ class EngineCore:
         if any(ahead):
             input_ids = torch.where(from_device.bool(), self.sampler.last_tokens[slot_ids], input_ids)
         # kv_length from Python ints: no device sync to find the longest row.
-        rows = self.cache.batch(slots, slot_ids)
+        rows = self.cache.batch(slots, slot_ids, ascending=True)
         out = self.model(input_ids[:, None], positions[:, None], self.cache, rows, kv_length=max(lengths), lora=lora)
         return out.logits[:, -1]  # [B, V]
 

@@ -41,6 +41,8 @@ class StepRows:
     # of their first B rows and the logits as a view of theirs, with no gather (on a GPU: no
     # [B, V] copy and no index kernels).
     in_slot_order: bool = False
+    drafted: bool = False  # a decoding sequence verifies a draft this step
+
 
     @property
     def read(self) -> torch.Tensor | slice:
@@ -153,7 +155,7 @@ def alternatives(row: list[float], n: int, wanted: int) -> TopLogprobs | None:
 def draft_prefixes(rows: StepRows) -> list[list[int]] | None:
     """Per sampled row, the draft tokens before it (row j of a sequence's 1 + k sees j of them);
     None when no row has a draft."""
-    if not any(seq.draft for seq in rows.decoding):
+    if not rows.drafted:
         return None
     prefixes, previous, j = [], None, 0
     for _, seq in rows.sampled:
