@@ -39,7 +39,7 @@ serve: weights $(MODEL_DEPS)
 	$(PY) -m service --model-dir $(MODEL_DIR) --model-name $(MODEL) --host $(HOST) --port $(PORT)
 
 # LoRA adapters fine-tuned here (weights/train_lora.py; docs/lora.md) on a Shakespeare model
-# trained without their slices (the histories and tragedies: ~9 min on 2 cores), each trained
+# trained without their slices (the histories and tragedies: the same 600 steps as weights/shakespeare, ~13 min on 2 cores), each trained
 # once, then that model served with both side by side.
 LORA_BASE := weights/shakespeare-histories-tragedies
 $(LORA_BASE)/ORIGIN.json: | weights
