@@ -39,8 +39,8 @@ serve: weights $(MODEL_DEPS)
 	$(PY) -m service --model-dir $(MODEL_DIR) --model-name $(MODEL) --host $(HOST) --port $(PORT)
 
 # LoRA adapters fine-tuned here (weights/train_lora.py; docs/lora.md) on a Shakespeare model
-# trained without their slices (the histories and tragedies: the same 600 steps as weights/shakespeare, ~13 min on 2 cores), each trained
-# once, then that model served with both side by side.
+# trained without their slices (the histories and tragedies; the same 600 steps as
+# weights/shakespeare, ~13 min on 2 cores), each trained once, then that model served with both.
 LORA_BASE := weights/shakespeare-histories-tragedies
 $(LORA_BASE)/ORIGIN.json: | weights
 	$(PY) -m weights.train --out $(LORA_BASE) --leave-out comedies --leave-out poems
