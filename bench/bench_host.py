@@ -53,11 +53,9 @@ import httpx
 
 from bench.bench_serve import prompt_texts
 from bench.common import ServiceProcess, add_smoke_argument, describe_machine, write_random_model
-from bench.host_standin import TOKEN_RANGE, TOKEN_STRIDE
-from model.config import GPT2Config
+from bench.host_standin import TINY, TOKEN_RANGE, TOKEN_STRIDE
 from tests.processes import api_server_pids, cpu_seconds, engine_core_pid
 
-TINY = GPT2Config(vocab_size=50257, n_positions=256, n_embd=64, n_layer=1, n_head=1)
 LAUNCHER = "gpt2_host_standin"  # bench/host_standin.py's name beside another checkout
 CORE_ONLY = "gpt2_host_core"  # bench/host_core.py's
 MIN_TOKENS = 2048  # per measurement: enough clock ticks (10 ms) of CPU time to read
@@ -224,8 +222,10 @@ def compare_cores(checkouts: dict[str, Path], launcher_dir: Path, args: argparse
                     raise RuntimeError(f"{name}: {' '.join(command)} failed:\n{done.stderr[-3000:]}")
                 result = json.loads(done.stdout.strip().splitlines()[-1])
                 costs.setdefault((name, running), []).append(result["us_per_row_step"])
+                share = result.get("slot_order_share")
                 print(f"round {round_} {name:3s} {running:4d} running: core {result['us_per_row_step']:6.2f} µs/row-step,"
-                      f" {result['rows_per_step']:5.1f} rows/step", flush=True)
+                      f" {result['rows_per_step']:5.1f} rows/step, steps read in slot order (no gathers): "
+                      f"{'n/a' if share is None else f'{share:.0%}'}", flush=True)
     print(f"\ncore alone, CPU µs per row-step, medians over rounds ({', '.join(f'{n}: {p}' for n, p in checkouts.items())})")
     for running in args.streams:
         medians = {name: statistics.median(costs[(name, running)]) for name in checkouts}

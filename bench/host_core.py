@@ -8,7 +8,9 @@ the forwards and the draw (no device sleep here: nothing paces the steps but the
 64 to 191 new tokens, greedy, prompts of 5 to 44 tokens with varied first tokens, are replaced as
 they end, so every step admits and finishes some (the churn of a loaded server: admission,
 packing moves, prefix-cache lookups). Printed as one JSON line: CPU time (process_time) per
-row-step, per step, rows per step. No HTTP, no IPC: bench_host.py's server measures those.
+row-step, per step, rows per step, and (over as many steps again, untimed) the share of the steps
+that read their sampled rows in slot order, with no gathers (StepRows.in_slot_order; null in a
+checkout without it). No HTTP, no IPC: bench_host.py's server measures those.
 `--profile N`: also cProfile's N most expensive functions by their own time.
 """
 
@@ -28,21 +30,19 @@ os.environ["STANDIN_DEVICE_MS"] = "0"  # read by the stand-in at import
 
 import torch
 
-# Beside another checkout (bench_host.py --against), this file and the stand-in are copied to a
-# folder of their own; the checkout's code is what they import.
+# Run by bench_host.py, this file and this checkout's stand-in are copied to a folder of their own
+# and run in each checkout compared (the same stand-in for all); the checkout's code is what they
+# import. Run as `python -m bench.host_core`, the stand-in is this checkout's.
 try:
-    import bench.host_standin as standin
-except ModuleNotFoundError:
     import gpt2_host_standin as standin
+except ModuleNotFoundError:
+    import bench.host_standin as standin
 try:
     import service.engine.step_sampler as engine_sampler
 except ModuleNotFoundError:  # a checkout from before the sampling stage left core.py
     import service.engine.core as engine_sampler
-from model.config import GPT2Config
 from service.engine.core import EngineConfig, EngineCore
 from service.engine.types import GenerationRequest, SamplingParams
-
-TINY = GPT2Config(vocab_size=50257, n_positions=256, n_embd=64, n_layer=1, n_head=1)
 
 
 class Workload:
@@ -69,13 +69,30 @@ class Workload:
                 self.submit(ended)
         return rows, steps
 
+    def slot_order_share(self, steps: int) -> float | None:
+        """The share of launched steps whose sampled rows were read in slot order."""
+        orders: list[bool | None] = []
+        sampler = self.core.sampler
+        launch = sampler.launch
+
+        def recording(logits, rows, *rest, **options):
+            orders.append(getattr(rows, "in_slot_order", None))
+            return launch(logits, rows, *rest, **options)
+
+        sampler.launch = recording
+        try:
+            self.run(steps)
+        finally:
+            sampler.launch = launch
+        return None if not orders or None in orders else sum(orders) / len(orders)
+
 
 def build_core(running: int, overlap: bool) -> EngineCore:
     from bench.common import write_random_model  # noqa: PLC0415 (the checkout's own)
     from weights.checkpoint import load_model  # noqa: PLC0415
 
     engine_sampler.choose_tokens = standin.standin_choose_tokens
-    model = load_model(write_random_model(Path(tempfile.mkdtemp()), TINY))
+    model = load_model(write_random_model(Path(tempfile.mkdtemp()), standin.TINY))
     core = EngineCore(model, 50256, EngineConfig(max_slots=running, max_waiting=4 * running, overlap=overlap))
     standin.install(core)
     return core
@@ -96,7 +113,8 @@ def main(argv: list[str] | None = None) -> None:
     rows, steps = workload.run(args.steps)
     cpu = time.process_time() - started
     print(json.dumps({"running": args.running, "overlap": args.overlap, "us_per_row_step": cpu / max(rows, 1) * 1e6,
-                      "ms_per_step": cpu / steps * 1e3, "rows_per_step": rows / steps}), flush=True)
+                      "ms_per_step": cpu / steps * 1e3, "rows_per_step": rows / steps,
+                      "slot_order_share": workload.slot_order_share(args.steps)}), flush=True)
     if args.profile:
         profile = cProfile.Profile()
         profile.runcall(workload.run, args.steps)

@@ -36,12 +36,16 @@ try:
 except ModuleNotFoundError:  # a checkout from before the sampling stage left core.py (--against)
     import service.engine.core as engine_sampler
 import service.engine.process as engine_process
+from model.config import GPT2Config
 from model.gpt2 import ForwardOutput
 
 # Spreads consecutive counters over the vocabulary (ids below 50,000: plain BPE tokens, no EOS).
 TOKEN_STRIDE = 7919
 TOKEN_RANGE = 50_000
 DEVICE_SECONDS = float(os.environ.get("STANDIN_DEVICE_MS", "2")) / 1e3
+# The model served (one 64-wide layer, GPT-2's vocabulary and tokenizer): with the stand-ins its
+# size changes nothing but the memory the KV cache takes.
+TINY = GPT2Config(vocab_size=50257, n_positions=256, n_embd=64, n_layer=1, n_head=1)
 
 
 def standin_forward(input_ids: torch.Tensor, *args, **kwargs) -> ForwardOutput:

@@ -100,16 +100,11 @@ class KVCache:
             heapq.heappush(self._free, slot)
 
     # --- tensors ----------------------------------------------------------------------------
-    def batch(self, slots: list[int], ids: torch.Tensor | None = None, ascending: bool = False) -> SlotBatch:
-        """`ids`: the slots as a tensor on the device already (copied there with other inputs).
-        `ascending`: the caller's slots are in increasing order (then they are consecutive when
-        the first and last are len - 1 apart: no pass over every row)."""
+    def batch(self, slots: list[int], ids: torch.Tensor | None = None) -> SlotBatch:
+        """`ids`: the slots as a tensor on the device already (copied there with other inputs)."""
         if ids is None:
             ids = to_device(slots, self.device)
-        if ascending:
-            consecutive = bool(slots) and slots[-1] - slots[0] == len(slots) - 1
-        else:
-            consecutive = all(b == a + 1 for a, b in zip(slots, slots[1:]))
+        consecutive = all(b == a + 1 for a, b in zip(slots, slots[1:]))
         span = slice(slots[0], slots[-1] + 1) if slots and consecutive else None
         return SlotBatch(ids=ids, span=span)
 

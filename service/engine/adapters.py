@@ -59,8 +59,8 @@ class ServedAdapters:
 
     def free_unused(self, in_use: Callable[[int], bool]) -> list[int]:
         """Free the unloading adapters no request uses any more; their indices."""
-        freed = [self.set.index(name) for name in self.unloading if not in_use(self.set.index(name))]
-        for name in [name for name in self.unloading if self.set.index(name) in freed]:
+        freed = {name: self.set.index(name) for name in self.unloading if not in_use(self.set.index(name))}
+        for name in freed:
             self.set.remove(name)
             self.unloading.discard(name)
-        return freed
+        return list(freed.values())

@@ -241,7 +241,7 @@ class EngineCore:
         finished = [state for state in {id(s): s for s in launched.ended}.values() if state.done and not state.reported]
         if finished:
             results.done += [self._finish(state) for state in finished]
-            self.scheduler.drop_finished(finished)
+            self.scheduler.leave(finished)
 
     def _free_unloaded_adapters(self) -> None:
         # A launched step's kernels are already queued with the tensors they read (freed memory
@@ -305,9 +305,10 @@ class EngineCore:
         # The decoding sequences' rows first, in slot order (1 + k for one with a draft), then one
         # row per prompt chunk (a completed prompt's sequences share it; a chunk that leaves part
         # of its prompt for later samples nothing); the sampled rows in the same order. Once the
-        # running sequences are packed into slots 0..D-1 and the prompts completing this step
-        # took the next free slots (the usual step under load: some finish, some are admitted),
-        # sampled row b is logits row b and slot b for every b: the read path without gathers.
+        # running sequences are packed into slots 0..D-1 and no prompt completes this step, or
+        # those that do took the next free slots, sampled row b is logits row b and slot b for
+        # every b: the read path without gathers. (A prompt admitted into a slot a finished
+        # sequence left inside the batch, the usual case under heavy churn, still gathers.)
         by_slot = sorted([(seq.slot, state, seq) for state in plan.decode for seq in state.live])  # slots are unique
         decoding = [seq for _, _, seq in by_slot]
         sampled = [(state, seq) for _, state, seq in by_slot]
@@ -411,10 +412,9 @@ class EngineCore:
         if any(ahead):
             input_ids = torch.where(from_device.bool(), self.sampler.last_tokens[slot_ids], input_ids)
         # kv_length from Python ints: no device sync to find the longest row.
-        rows = self.cache.batch(slots, slot_ids, ascending=True)
+        rows = self.cache.batch(slots, slot_ids)
         out = self.model(input_ids[:, None], positions[:, None], self.cache, rows, kv_length=max(lengths), lora=lora)
         return out.logits[:, -1]  # [B, V]
-
 
     # --- postprocess ------------------------------------------------------------------------------
     def _advance_all(self, launched: LaunchedStep, host: list[list[float]], results: StepResults) -> None:

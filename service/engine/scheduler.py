@@ -207,7 +207,7 @@ class Scheduler:
         self.max_waiting = max_waiting
         self.max_prefill_tokens = max_prefill_tokens
         self.prefix = PrefixCache(prefix_caching)
-        # Kept up to date as requests come and go (_place, _leave), so that neither a step nor an
+        # Kept up to date as requests come and go (_place, leave), so that neither a step nor an
         # admission asks every running request: the running requests in admission order, those
         # among them that need the host's tokens before each step (RequestState.host_paced), and
         # them by their prompt's first token (only those can share a prefix with a new prompt).
@@ -278,7 +278,7 @@ class Scheduler:
             leaving = [state for state in self.running if state.request.request_id in cancel]
             for state in leaving:
                 self._release_cancelled(state)
-            self._leave(leaving)
+            self.leave(leaving)
             cancelled += leaving
         kept = self.running
         budget = PrefillBudget(self.max_prefill_tokens)
@@ -286,13 +286,9 @@ class Scheduler:
         # and the budget allow.
         chunks, decode = [], []
         for state in kept:
-            # Inline, not properties: this runs over every running request every step.
             prompt_length = len(state.request.prompt_ids)
             if state.prefilled >= prompt_length:
-                sequences = state.sequences
-                # A sequence with a token in flight may have drawn its last (`exhausted`): a
-                # row more would draw past max_new_tokens.
-                if (len(sequences) == 1 and not sequences[0].pending) or not state.exhausted:
+                if not state.exhausted:  # a row more would draw past max_new_tokens
                     decode.append(state)
             elif size := budget.take(prompt_length - state.prefilled):
                 chunks.append(PrefillChunk(state, state.prefilled, state.prefilled + size))
@@ -412,23 +408,19 @@ class Scheduler:
             waiting = [state for submission in self._waiting for state in submission]
         return any(state.adapter == adapter for state in self.running + waiting)
 
-    def drop_finished(self, finished: list[RequestState]) -> None:
-        self._leave(finished)
-
-    def _leave(self, states: list[RequestState]) -> None:
+    def leave(self, states: list[RequestState]) -> None:
         """Running requests leave (finished or cancelled): what is kept about the running follows."""
         if not states:
             return
         gone = {id(state) for state in states}
         self.running = [s for s in self.running if id(s) not in gone]
-        for state in states:
-            self.host_paced_running -= state.host_paced
-            first_token = state.request.prompt_ids[0]
-            group = self._by_first_token.get(first_token)
-            if group is not None and any(s is state for s in group):
-                group[:] = [s for s in group if s is not state]
-                if not group:
-                    del self._by_first_token[first_token]
+        self.host_paced_running -= sum(state.host_paced for state in states)
+        for first_token in {state.request.prompt_ids[0] for state in states}:
+            kept = [s for s in self._by_first_token.get(first_token, ()) if id(s) not in gone]
+            if kept:
+                self._by_first_token[first_token] = kept
+            else:
+                self._by_first_token.pop(first_token, None)
 
     def abort_running(self) -> list[RequestState]:
         """Free every running request's slots (after a failed step) and forget them, and

@@ -109,12 +109,3 @@ def test_padded_batch_prefill_then_decode(model, layout):
         assert_close(logits[b], expected[b][n - 1], f"row {b} prefill")
     decode_together(model, cache, rows, sequences, list(PROMPT_LENGTHS), expected)
 
-
-@pytest.mark.parametrize("slots", [[0], [0, 1, 2], [3, 4, 5, 6], [0, 2, 3], [1, 2, 4], [0, 5]])
-def test_ascending_slots_are_a_span_exactly_when_the_general_check_says_so(model, slots):
-    """KVCache.batch's shortcut for slots the caller keeps in increasing order (the engine's
-    decode batch): the same span, or none, as the check over every pair."""
-    cache = KVCache(model.config, max_slots=8, max_len=4)
-    general, shortcut = cache.batch(slots).span, cache.batch(slots, ascending=True).span
-    assert shortcut == general
-    assert (general is not None) == (slots == list(range(slots[0], slots[0] + len(slots))))

@@ -96,7 +96,7 @@ def test_the_margin_is_paired_and_its_interval_counts_windows_not_tokens():
     assert within["high"] - within["low"] == pytest.approx(0.0, abs=1e-9)
 
 
-def test_a_base_can_leave_a_slice_out(tokenizer):
+def test_a_base_can_leave_a_slice_out():
     try:
         train_works, _ = load_corpus(CACHE_DIR, HELD_OUT)
     except RegistryError as exc:
