@@ -25,6 +25,14 @@ with the stand-in device (at most streams / --device-ms). On a many-core host (a
 say) that answers whether N HTTP processes deliver what the device produces at 256 streams,
 without the device.
 
+`--stream-interval N` serves this checkout with that many tokens per write (the server's
+--stream-interval); without --against the reference ("old") is this checkout writing every token,
+so the ratio is the interval's own effect on the same code.
+
+`--profile PATH`: this checkout's engine core and HTTP process run under cProfile with the CPU
+clock (PATH.core, PATH.http; read with `python -m pstats`). It slows both several times: read
+call counts and shares from it, never the timings printed beside it.
+
 `--core-only`: the engine core alone in one process per checkout (bench/host_core.py: no HTTP, no
 IPC, no device pacing, N requests always running and replaced as they end), its CPU time per
 row-step at each --streams count as the number running: a steadier figure for the core's own
@@ -65,14 +73,20 @@ class StandinServer(ServiceProcess):
     """A checkout's server, launched through the stand-in (copied into `launcher_dir`)."""
 
     def __init__(self, checkout: Path, launcher_dir: Path, model_dir: Path, slots: int, new_tokens: int,
-                 device_ms: float, api_servers: int = 1) -> None:
+                 device_ms: float, api_servers: int = 1, stream_interval: int = 1, profile: Path | None = None) -> None:
         self.checkout = checkout
+        self.stream_interval = stream_interval
         flags = ["--model-dir", str(model_dir), "--max-batch-size", str(slots), "--max-waiting", str(max(64, slots)),
                  "--max-new-tokens", str(max(new_tokens, 256)), "--threads", "1"]
+        if stream_interval != 1:
+            flags += ["--stream-interval", str(stream_interval)]
         if api_servers != 1:  # the supervisor spawns the core (the stand-in reaches it) and N HTTP processes
             flags += ["--api-servers", str(api_servers)]
         # `-m gpt2_host_standin`, not `-m service`: the same flags, the stand-ins installed first.
-        super().__init__(flags, cwd=checkout, env={"PYTHONPATH": str(launcher_dir), "STANDIN_DEVICE_MS": str(device_ms)}, module=LAUNCHER)
+        env = {"PYTHONPATH": str(launcher_dir), "STANDIN_DEVICE_MS": str(device_ms)}
+        if profile is not None:
+            env["STANDIN_PROFILE"] = str(profile.resolve())
+        super().__init__(flags, cwd=checkout, env=env, module=LAUNCHER)
 
     def check_standin(self) -> None:
         """The stand-in really decodes (not the tiny model): its ids step by TOKEN_STRIDE."""
@@ -155,6 +169,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="another checkout (git worktree) of the code: its server runs beside this one's")
     parser.add_argument("--api-servers", type=int, default=1,
                         help="the servers' HTTP processes (their CPU is summed); tok/s says whether they keep up")
+    parser.add_argument("--stream-interval", type=int, default=1,
+                        help="this checkout's server writes a stream's tokens this many at a time (the first and last at once)")
+    parser.add_argument("--profile", type=Path, default=None, metavar="PATH",
+                        help="this checkout's engine core and HTTP process run under cProfile (CPU time): stats in PATH.core, PATH.http")
     parser.add_argument("--core-only", action="store_true", help="the engine core alone, in process (bench/host_core.py)")
     parser.add_argument("--overlap", action="store_true", help="--core-only: with the core's overlap on (as on CUDA)")
     add_smoke_argument(parser)
@@ -170,6 +188,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     here = Path(__file__).resolve().parent.parent
     checkouts = {"new": here} | ({"old": args.against.resolve()} if args.against else {})
+    if args.stream_interval != 1 and not args.against:
+        checkouts["old"] = here  # the same code, writing every token as it comes
+    intervals = {"new": args.stream_interval, "old": 1}
     print(describe_machine(), flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         launcher_dir = Path(tmp) / "launcher"
@@ -181,7 +202,8 @@ def main(argv: list[str] | None = None) -> None:
         model_dir = write_random_model(Path(tmp) / "tiny", TINY)
         texts = prompt_texts(max(max(args.streams), 17), 8)
         servers = {name: StandinServer(path, launcher_dir, model_dir, max(args.streams), args.new_tokens,
-                                     args.device_ms, args.api_servers)
+                                     args.device_ms, args.api_servers, intervals[name],
+                                     args.profile if name == "new" else None)
                    for name, path in checkouts.items()}
         costs: dict[tuple[str, int], list[HostCost]] = {}
         try:
@@ -204,7 +226,8 @@ def main(argv: list[str] | None = None) -> None:
         finally:
             for server in servers.values():
                 server.stop()
-    print_summary(costs, checkouts, args.streams)
+    print_summary(costs, {name: f"{path} (stream interval {intervals[name]})" for name, path in checkouts.items()},
+                  args.streams)
 
 
 def compare_cores(checkouts: dict[str, Path], launcher_dir: Path, args: argparse.Namespace) -> None:
@@ -233,7 +256,7 @@ def compare_cores(checkouts: dict[str, Path], launcher_dir: Path, args: argparse
         print(f"{running:5d} running: " + "  ".join(f"{n} {m:.2f}" for n, m in medians.items()) + ratio)
 
 
-def print_summary(costs: dict[tuple[str, int], list[HostCost]], checkouts: dict[str, Path], streams: list[int]) -> None:
+def print_summary(costs: dict[tuple[str, int], list[HostCost]], checkouts: dict[str, Path | str], streams: list[int]) -> None:
     print(f"\nmedians over rounds ({', '.join(f'{n}: {p}' for n, p in checkouts.items())})")
     print(f"{'streams':>7s} {'checkout':>8s} {'core µs/row-step':>17s} {'core ms/step':>13s} {'rows/step':>10s} {'HTTP µs/token':>14s}"
           f" {'tok/s':>9s}")

@@ -18,6 +18,10 @@ Left out with the device work: the kernels' launches (on a GPU each is a few µs
 which CUDA graphs fold into one), any wait for the device, and every cost proportional to the
 vocabulary (the logits gather, top-k alternatives, penalties' [B, V] masks).
 
+With $STANDIN_PROFILE set to a path, the engine core's loop and the HTTP process run under
+cProfile timed by the process's CPU clock (waits for the device or the sockets count nothing)
+and write their stats to PATH.core and PATH.http as they exit (`python -m pstats PATH.core`).
+
 The stand-in is installed when this file is imported as the main module, which multiprocessing's
 spawn also does in every child (as `__mp_main__`): that is how it reaches the engine core. It
 needs only `service`, `model` and `torch`, so bench_host.py copies it next to another checkout
@@ -27,6 +31,7 @@ and runs that checkout's server through it (the before of a before-and-after).
 from __future__ import annotations
 
 import os
+import sys
 import time
 
 import torch
@@ -68,6 +73,18 @@ def install(core) -> None:
     core.model.lm_head = lambda x: x  # forward_from's head over [N, 1] zeros
 
 
+def _profiled(run, suffix: str):
+    def run_profiled(*args, **kwargs):
+        import cProfile
+
+        profile = cProfile.Profile(time.process_time)
+        try:
+            return profile.runcall(run, *args, **kwargs)
+        finally:
+            profile.dump_stats(os.environ["STANDIN_PROFILE"] + suffix)
+    return run_profiled
+
+
 def _build_core_with_standin(config):
     core = _build_core(config)
     install(core)
@@ -78,8 +95,17 @@ if __name__ in ("__main__", "__mp_main__"):
     engine_sampler.choose_tokens = standin_choose_tokens
     _build_core = engine_process.build_core
     engine_process.build_core = _build_core_with_standin
+    if os.environ.get("STANDIN_PROFILE"):
+        engine_process.CoreLoop.run = _profiled(engine_process.CoreLoop.run, ".core")
 
 if __name__ == "__main__":
     from service.__main__ import main
 
+    if os.environ.get("STANDIN_PROFILE"):
+        import signal
+
+        # uvicorn re-raises the SIGTERM it stopped on once it is done: exit, not die, so the
+        # profile is written.
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+        main = _profiled(main, ".http")
     main()

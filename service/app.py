@@ -133,6 +133,7 @@ def build_client(state: ServiceState, link: CoreLink | None = None) -> EngineCli
         on_step=state.metrics.observe_step if link is None or link.index == 0 else state.metrics.observe_step_gauges,
         max_in_flight=settings.max_batch_size + settings.max_waiting,
         link=link,
+        stream_interval=settings.stream_interval,
     )
 
 

@@ -85,6 +85,10 @@ class Settings(BaseSettings):
         1, description="HTTP processes accepting on the one port, all fed by one engine core; auto: the CPU cores"
         " the core's threads leave (at most 8)",
     )
+    stream_interval: int = Field(
+        1, ge=1, le=1024, description="tokens a stream gathers before they are written together (its first and last"
+        " go at once): fewer writes, less HTTP CPU per token, burstier streams; 1 writes each token as it comes",
+    )
     max_body_bytes: int = Field(1_000_000, ge=1, description="request bodies above this get 413 before parsing")
     api_key: SecretStr | None = Field(None, description="if set, bearer token required on all but /health, /metrics")
     drain_seconds: float = Field(30.0, ge=0, description="on SIGTERM, how long in-flight requests may finish")

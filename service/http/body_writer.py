@@ -46,16 +46,15 @@ class BodyWriter:
         """One body chunk, framed as uvicorn frames it; only after ready() said True."""
         self.cycle.transport.write(b"%x\r\n%s\r\n" % (len(body), body))
 
-    def token_sink(self, event_bytes: Callable[[TokenEvent], bytes]) -> Callable[[TokenEvent], bool]:
-        """A sink for EngineClient.hand_off: writes a token's event (`event_bytes`, called only
-        for an event that is written) when it can, else declines it."""
-        def write_event(event: TokenEvent) -> bool:
+    def token_sink(self, event_bytes: Callable[[TokenEvent], bytes]) -> Callable[[list[TokenEvent]], bool]:
+        """A sink for EngineClient.hand_off: writes a delivery's token events (`event_bytes` of
+        each, called only for events that are written) as one chunk when it can, else declines."""
+        def write_events(events: list[TokenEvent]) -> bool:
             if not self.ready():
                 return False
-            self.write(event_bytes(event))
+            self.write(event_bytes(events[0]) if len(events) == 1 else b"".join(map(event_bytes, events)))
             return True
-        return write_event
-
+        return write_events
 
 def body_writer(server_send: Send | None) -> BodyWriter | None:
     """A writer for the response `server_send` (the server's own `send`, service/http/sse.py

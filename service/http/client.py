@@ -10,7 +10,11 @@
 Everything runs on the event loop: one reader callback receives the core's per-step messages,
 turns them into text and results (service/http/outputs.py) and hands each request's items to its
 queue, or, for a stream that handed off (`hand_off`), its token events to the stream's sink, which
-writes them to the client at once.
+writes them to the client at once. With a stream interval N > 1 (vLLM's and SGLang's
+--stream-interval) a stream's token events are held until N have gathered, then delivered
+together (one write instead of N: the socket's send is most of the HTTP CPU per token); its first
+token and its last go at once. A request submitted without token events (a whole answer) gets
+only its result: no wake-up of its waiting task per token.
 Admission is decided here, synchronously, so a refusal is an immediate 422 / 429 / 503: the core
 never has to answer a request with anything but tokens.
 If the core process dies, every waiting request fails at once and `running` turns False
@@ -68,8 +72,9 @@ from weights.tokenizer import GPT2Tokenizer
 log = logging.getLogger(__name__)
 
 QueueItem = TokenEvent | FinishedRequest | RequestFailed
-# Takes a token event and delivers it itself (True), or declines it (False): see hand_off.
-TokenSink = Callable[[TokenEvent], bool]
+# Takes a request's token events (in order) and delivers them itself (True), or declines them
+# (False): see hand_off.
+TokenSink = Callable[[list[TokenEvent]], bool]
 
 
 class EngineClient:
@@ -80,10 +85,14 @@ class EngineClient:
         on_step: Callable[[StepStats], None] | None = None,
         max_in_flight: int | None = None,
         link: CoreLink | None = None,
+        stream_interval: int = 1,
     ) -> None:
         """`config`'s addresses are filled in by start(); `max_in_flight` bounds the requests
         admitted and not yet finished (running plus waiting; the whole server's, with a link);
-        more get QueueFull. With `link`, attach to the core the supervisor runs."""
+        more get QueueFull. With `link`, attach to the core the supervisor runs.
+        `stream_interval`: the token events a stream gathers before they are delivered together."""
+        if stream_interval < 1:
+            raise ValueError("stream_interval must be at least 1")
         if config.engine.max_len is None:
             raise ValueError("the engine config must name max_len: the HTTP side validates lengths")
         self.config = config
@@ -94,6 +103,11 @@ class EngineClient:
         self.last_stats: StepStats | None = None
         self._queues: dict[str, asyncio.Queue] = {}
         self._sinks: dict[str, TokenSink] = {}
+        self.stream_interval = stream_interval
+        # With stream_interval > 1: a stream's events since its last delivery, present from its
+        # first delivery on (the first goes at once: the time to first token is not traded).
+        self._held: dict[str, list[TokenEvent]] = {}
+        self._quiet: set[str] = set()  # requests whose caller wants their result alone
         self._process: multiprocessing.process.BaseProcess | None = None
         self._context: zmq.asyncio.Context | None = None
         self._to_core: zmq.asyncio.Socket | None = None
@@ -250,8 +264,9 @@ class EngineClient:
             shutil.rmtree(self._socket_dir, ignore_errors=True)
 
     # --- requests ---------------------------------------------------------------------------------
-    def submit(self, requests: list[GenerationRequest]) -> list[asyncio.Queue]:
-        """Queue requests; raises ValueError (422), QueueFull (429) or EngineStopped (503)."""
+    def submit(self, requests: list[GenerationRequest], token_events: bool = True) -> list[asyncio.Queue]:
+        """Queue requests; raises ValueError (422), QueueFull (429) or EngineStopped (503).
+        Without `token_events` a queue gets the request's result alone."""
         if self._closed or not self.running:
             raise EngineStopped("the server is shutting down" if self._closed else "the engine core is not running")
         engine = self.config.engine
@@ -265,6 +280,8 @@ class EngineClient:
             raise QueueFull(f"{in_flight} requests are in flight (limit {self.max_in_flight})")
         queues = [asyncio.Queue() for _ in requests]
         self._queues.update((r.request_id, q) for r, q in zip(requests, queues))
+        if not token_events:
+            self._quiet.update(r.request_id for r in requests)
         self.outputs.add(requests)
         self._send(AddRequests(requests, self.link.index if self.link is not None else 0))
         return queues
@@ -272,8 +289,7 @@ class EngineClient:
     def cancel(self, request_id: str) -> FinishedRequest | None:
         """Finish the request now, as cancelled, and free its slots in the core (None if it had
         already finished). Its queue gets nothing more."""
-        self._queues.pop(request_id, None)
-        self._sinks.pop(request_id, None)
+        self._forget(request_id)
         finished = self.outputs.abort(request_id)
         if finished is not None and self.running:
             self._send(AbortRequests([request_id]))
@@ -281,9 +297,9 @@ class EngineClient:
         return finished
 
     def hand_off(self, request_id: str, sink: TokenSink) -> None:
-        """Give the request's token events to `sink` as they arrive, instead of its queue, until
-        the sink declines one or take_back is called; the declined event and everything after it
-        (the request's last token and its result always) go to the queue, in order. The caller
+        """Give the request's token events to `sink` as they are delivered, instead of its queue,
+        until the sink declines some or take_back is called; the declined events and everything
+        after them (the request's last token and its result always) go to the queue, in order. The caller
         hands off only while its queue is empty and it waits on it: then whatever the sink
         delivers comes after all that the queue delivered (service/http/body_writer.py says why)."""
         if request_id in self._queues:
@@ -368,31 +384,74 @@ class EngineClient:
             except Exception:
                 log.exception("on_step callback failed")
         ended = [*processed.finished, *processed.failed]
-        sinks = self._sinks
         # A request's last token goes with its result, to its queue (TGI puts the result on it).
-        ending = {result.request_id for result in ended} if sinks and ended else ()
-        for event in processed.events:
-            request_id = event.request_id
+        ending = {result.request_id for result in ended} if ended else ()
+        sinks = self._sinks
+        for request_id, events in self._deliverable(processed.events, ending).items():
             sink = sinks.get(request_id)
             if sink is not None:
-                if request_id not in ending and self._sink_took(sink, event):
+                if request_id not in ending and self._sink_took(sink, events):
                     continue
                 del sinks[request_id]
             queue = self._queues.get(request_id)
             if queue is not None:
-                queue.put_nowait(event)
+                for event in events:
+                    queue.put_nowait(event)
         for result in ended:
-            sinks.pop(result.request_id, None)
-            queue = self._queues.pop(result.request_id, None)
+            queue = self._queues.get(result.request_id)
+            self._forget(result.request_id)
             if queue is not None:
                 queue.put_nowait(result)
         if processed.finished or processed.failed:
             self._publish_in_flight()
 
+    def _deliverable(self, events: list[TokenEvent], ending: set[str] | tuple) -> dict[str, list[TokenEvent]]:
+        """The step's token events by request, in order, as they are to be delivered now: none
+        for a quiet request; with a stream interval, a stream's held events in front of its new
+        ones once N have gathered or the request ends, else nothing yet."""
+        by_request: dict[str, list[TokenEvent]] = {}
+        for event in events:
+            got = by_request.get(event.request_id)
+            if got is None:
+                by_request[event.request_id] = [event]
+            else:
+                got.append(event)
+        quiet, held, interval = self._quiet, self._held, self.stream_interval
+        if interval > 1:
+            for request_id in ending:  # its held events go out with its last ones (or its result)
+                if held.get(request_id) and request_id not in by_request:
+                    by_request[request_id] = []
+        if not quiet and interval == 1:
+            return by_request
+        for request_id in list(by_request):
+            if request_id in quiet:
+                del by_request[request_id]
+                continue
+            if interval == 1:
+                continue
+            before = held.get(request_id)
+            if before is None:  # the stream's first delivery
+                if request_id not in ending:
+                    held[request_id] = []
+                continue
+            before += by_request[request_id]
+            if request_id in ending or len(before) >= interval:
+                by_request[request_id] = before
+                held[request_id] = []
+            else:
+                del by_request[request_id]
+        return by_request
+
+    def _forget(self, request_id: str) -> None:
+        self._queues.pop(request_id, None)
+        self._sinks.pop(request_id, None)
+        self._held.pop(request_id, None)
+        self._quiet.discard(request_id)
+
     @staticmethod
-    def _sink_took(sink: TokenSink, event: TokenEvent) -> bool:
+    def _sink_took(sink: TokenSink, events: list[TokenEvent]) -> bool:
         try:
-            return sink(event)
+            return sink(events)
         except Exception:  # the reader serves every request: one sink's bug must not end it
             log.exception("a token sink failed; its request goes on through its queue")
             return False
@@ -419,7 +478,11 @@ class EngineClient:
             if not answer.done():
                 answer.set_exception(RuntimeError(message))
         for failed in self.outputs.fail_all(message):
-            queue = self._queues.pop(failed.request_id, None)
+            queue = self._queues.get(failed.request_id)
+            held = self._held.get(failed.request_id, ())  # what it generated still reaches the client
+            self._forget(failed.request_id)
             if queue is not None:
+                for event in held:
+                    queue.put_nowait(event)
                 queue.put_nowait(failed)
         self._publish_in_flight()

@@ -53,9 +53,9 @@ class Generations:
         self.retry_after_seconds = retry_after_seconds
 
     # --- submission ---------------------------------------------------------------------------
-    def submit(self, requests: list[GenerationRequest]) -> CallStreams:
+    def submit(self, requests: list[GenerationRequest], token_events: bool = True) -> CallStreams:
         try:
-            queues = self.client.submit(requests)
+            queues = self.client.submit(requests, token_events)
         except QueueFull as exc:
             raise overloaded_error(f"too many requests waiting ({exc}); retry later", self.retry_after_seconds) from exc
         except EngineStopped as exc:
@@ -67,7 +67,7 @@ class Generations:
     # --- whole answers ------------------------------------------------------------------------
     async def complete(self, requests: list[GenerationRequest], http: Request) -> list[FinishedRequest] | None:
         """Wait for every request of the call; None if the client left first (all cancelled)."""
-        batch = self.submit(requests)
+        batch = self.submit(requests, token_events=False)  # the results say it all
         waiting = asyncio.ensure_future(self._all_finished(batch))
         gone = asyncio.ensure_future(wait_for_disconnect(http.receive))
         try:
@@ -105,7 +105,7 @@ class Generations:
 
         `direct` (one request only): once the first items have been yielded, and whenever this
         waits with nothing queued, the core reader hands the request's token events to `direct`
-        (which writes them to the client itself) until it declines one; those never come out here.
+        (which writes them to the client itself) until it declines some; those never come out here.
         """
         pending: dict[asyncio.Future, int] = {}
         try:

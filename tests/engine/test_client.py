@@ -34,10 +34,11 @@ WAIT = 60.0
 
 @pytest.fixture
 def make_client(tiny_model_dir, tokenizer):
-    def make(on_step=None, max_in_flight=None, link=None, **engine) -> EngineClient:
+    def make(on_step=None, max_in_flight=None, link=None, stream_interval=1, **engine) -> EngineClient:
         engine_config = EngineConfig(**{"max_slots": 8, "max_len": TINY.n_positions, **engine})
         config = CoreProcessConfig(tiny_model_dir, "cpu", "float32", 1, engine_config, tokenizer.eos_token_id)
-        return EngineClient(config, tokenizer, on_step=on_step, max_in_flight=max_in_flight, link=link)
+        return EngineClient(config, tokenizer, on_step=on_step, max_in_flight=max_in_flight, link=link,
+                            stream_interval=stream_interval)
 
     return make
 
@@ -102,7 +103,8 @@ def test_a_sink_takes_what_it_accepts_and_the_queue_the_rest_in_order(make_clien
     request = make_request(random_prompt(5, seed=3), max_new_tokens=12)
     offered, taken, order = [], [], []  # order: as the client would see them written
 
-    def sink(event: TokenEvent) -> bool:
+    def sink(events: list[TokenEvent]) -> bool:
+        [event] = events  # with no stream interval, one token per delivery
         offered.append(event)
         if len(offered) == 3:
             return False
@@ -132,6 +134,85 @@ def test_a_sink_takes_what_it_accepts_and_the_queue_the_rest_in_order(make_clien
     assert len(taken) >= 4 and offered[2] not in taken and offered[5] not in taken  # declined, then failed
     assert order[-1] not in offered  # the last token goes with the result
     assert "a token sink failed" in caplog.text
+
+
+def test_a_stream_interval_delivers_tokens_in_groups_first_and_last_at_once(make_client):
+    """--stream-interval 4: the first token alone (the time to first token is not traded), then
+    groups of 4 in one delivery each; the tokens held when the request ends go with its last one
+    and its result, through the queue. Nothing lost or reordered."""
+    client = make_client(stream_interval=4)
+    request = make_request(random_prompt(5, seed=3), max_new_tokens=13, ignore_eos=True)
+    deliveries = []
+
+    def sink(events: list[TokenEvent]) -> bool:
+        deliveries.append(events)
+        return True
+
+    async def main():
+        await client.start()
+        [queue] = client.submit([request])
+        client.hand_off(request.request_id, sink)
+        events, finished = await collect(queue)
+        await client.stop()
+        return events, finished
+
+    queued, finished = run(main)
+    assert [len(d) for d in deliveries] == [1, 4, 4]  # tokens 1, 2-5, 6-9
+    assert len(queued) == 4  # 10-12 held, then 13, the last, with the result
+    tokens = [e.token_id for d in deliveries for e in d] + [e.token_id for e in queued]
+    assert tokens == finished.sequences[0].token_ids and len(tokens) == 13
+
+
+def test_a_stream_interval_keeps_text_and_stops_and_a_whole_answer_gets_its_result_alone(make_client, tokenizer):
+    client = make_client(stream_interval=3)
+    prompt = random_prompt(5, seed=3)
+
+    async def main():
+        await client.start()
+        [queue] = client.submit([make_request(prompt, max_new_tokens=40, ignore_eos=True)])
+        full = await collect(queue)
+        stop = full[1].sequences[0].text[5:8]  # a stop string the output is sure to contain
+        [stopped, two, quiet] = client.submit([
+            make_request(prompt, max_new_tokens=40, ignore_eos=True, stop=(stop,)),
+            make_request(prompt, max_new_tokens=11, do_sample=True, num_return_sequences=2, seed=5),
+        ]) + client.submit([make_request(prompt, max_new_tokens=9, ignore_eos=True)], token_events=False)
+        outputs = await asyncio.gather(*(collect(q) for q in (stopped, two, quiet)))
+        after = await idle_stats(client)
+        await client.stop()
+        return full, outputs, stop, after
+
+    full, (stopped, two, quiet), stop, after = run(main)
+    for events, finished in (full, stopped, two):
+        for index, seq in enumerate(finished.sequences):
+            mine = [e for e in events if e.sequence_index == index]
+            assert [e.token_id for e in mine] == seq.token_ids
+            assert "".join(e.text for e in mine) == seq.text
+    text = full[1].sequences[0].text
+    assert stopped[1].sequences[0].text == text[: text.index(stop)]
+    assert stopped[1].sequences[0].finish_reason == "stop_sequence"
+    assert quiet[0] == [] and quiet[1].sequences[0].token_ids == full[1].sequences[0].token_ids[:9]
+    assert after.kv_slots_used == 0 and after.running == 0 and client.in_flight == 0
+
+
+def test_tokens_a_stream_interval_holds_reach_the_client_before_the_failure(make_client):
+    steps = []
+    client = make_client(on_step=steps.append, stream_interval=1000)
+
+    async def main():
+        await client.start()
+        queue = await running_request(client, make_request([1, 2], max_new_tokens=100, ignore_eos=True))
+        seen = len(steps)
+        while len(steps) < seen + 5:
+            await asyncio.sleep(0.01)
+        assert queue.empty()  # held
+        os.kill(client._process.pid, signal.SIGKILL)
+        result = await collect(queue)
+        await client.stop()
+        return result
+
+    events, failed = run(main)
+    assert isinstance(failed, RequestFailed) and "died" in failed.message
+    assert len(events) >= 5  # the tokens generated after the first, held until then
 
 
 def test_cancel_finishes_at_once_and_frees_the_core_slots(make_client):
