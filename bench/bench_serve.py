@@ -98,6 +98,8 @@ class Server(ServiceProcess):
             flags += ["--quantize", quantize]
         if api_servers != 1:
             flags += ["--api-servers", str(api_servers)]
+        if args.stream_interval != 1:
+            flags += ["--stream-interval", str(args.stream_interval)]
         super().__init__(flags, cwd=checkout)
 
     def engine_config(self, eos_token_id: int, max_len: int) -> EngineConfig:
@@ -251,6 +253,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="llama.cpp's tools (make llama-cpp: build/llama.cpp/bin): run beside ours, on GGUFs of --model-dir")
     parser.add_argument("--llama-cpp-repetitions", type=int, default=3, help="llama-bench -r; also our 512-token prompts")
     parser.add_argument("--gguf-dir", type=Path, default=BUILD_ROOT / "gguf", help="where the GGUFs are converted to")
+    parser.add_argument("--stream-interval", type=int, default=1,
+                        help="the servers write a stream's tokens this many at a time (its first and last at once)")
     parser.add_argument("--api-servers", nargs="+", type=int, default=[1],
                         help="the servers' --api-servers (HTTP processes); several: one server each, side by side")
     args = parser.parse_args(argv)

@@ -17,6 +17,8 @@ the rest; a crash or a timeout is reported in its row, never fatal to the check)
 - spectrum: /analyze/spectrum at 1,024 tokens over HTTP against the document's recipe;
 - quantize: each --quantize mode on this device: served (one request answered) or refused (its line).
 - prefix, speculative: bench_prefix and bench_speculative, each feature on against off;
+- stream-interval: the serve part's measure with `--stream-interval 4` at the two largest client
+  counts (fewer writes per token: what it gives the served tok/s and HTTP CPU on this host);
 Writes REPORT.md and report.json to --out; prints the markdown. --smoke runs every part on the
 CPU on a tiny random model with tiny sizes, so this script cannot rot between runs on a GPU.
 """
@@ -60,6 +62,8 @@ class Part:
     what: str
 
 
+STREAM_INTERVAL = 4  # the stream-interval part's: tokens per write
+
 # Each part's own cap; the check as a whole stops at --budget-s (8 minutes): a part gets what is
 # left when its turn comes. Measured on one H200 (docs/performance.md): lane 100 s, anchor 11,
 # serve 30, api-servers 54, quantize 23; the three bench scripts start two servers each (~21 s apiece).
@@ -73,6 +77,7 @@ PARTS = [
     Part("quantize", 30, "each --quantize mode on this device: served or refused"),
     Part("prefix", 80, "prefix caching on against off (bench/bench_prefix.py, repeated-prompt)"),
     Part("speculative", 70, "n-gram speculation on against off (bench/bench_speculative.py; needs the corpus in weights/.cache)"),
+    Part("stream-interval", 60, f"the serve part with --stream-interval {STREAM_INTERVAL} at the two largest client counts"),
 ]
 SMOKE_LIMIT_S = 120
 
@@ -118,13 +123,14 @@ def served_row(clients: int, stats) -> dict:
             "http_cpu_ms_per_token": stats.cpu_ms_per_token("http"), "core_cpu_ms_per_token": stats.cpu_ms_per_token("core")}
 
 
-def started_server(cfg: Config, api_servers: int = 1):
+def started_server(cfg: Config, api_servers: int = 1, stream_interval: int = 1):
     """bench_serve's server for these clients, ready; and its seconds from launch to /health."""
     from bench import bench_serve
 
     args = bench_serve.parse_args(["--model-dir", str(cfg.model_dir), "--device", cfg.device, "--dtype", cfg.dtype,
                                    "--new-tokens", str(cfg.new_tokens), "--no-reference",
-                                   "--clients", *map(str, cfg.clients), "--api-servers", str(api_servers)])
+                                   "--clients", *map(str, cfg.clients), "--api-servers", str(api_servers),
+                                   "--stream-interval", str(stream_interval)])
     began = time.perf_counter()
     server = bench_serve.Server(args, max(cfg.clients), api_servers=api_servers)
     try:
@@ -139,15 +145,19 @@ def started_server(cfg: Config, api_servers: int = 1):
     return server, startup, texts
 
 
-def part_serve(cfg: Config) -> dict:
+def part_serve(cfg: Config, stream_interval: int = 1, clients: list[int] | None = None) -> dict:
     from bench.bench_serve import serve_clients
 
-    server, startup, texts = started_server(cfg)
+    server, startup, texts = started_server(cfg, stream_interval=stream_interval)
     try:
-        rows = [served_row(c, serve_clients(server, texts, c, 1, cfg.new_tokens)) for c in cfg.clients]
+        rows = [served_row(c, serve_clients(server, texts, c, 1, cfg.new_tokens)) for c in clients or cfg.clients]
     finally:
         server.stop()
-    return {"startup_s": startup, "rows": rows}
+    return {"startup_s": startup, "rows": rows, "stream_interval": stream_interval}
+
+
+def part_stream_interval(cfg: Config) -> dict:
+    return part_serve(cfg, STREAM_INTERVAL, cfg.clients[-2:])
 
 
 def http_pids(server) -> list[int]:
@@ -258,7 +268,8 @@ def part_quantize(cfg: Config) -> dict:
 
 
 RUNNERS = {"lane": part_lane, "anchor": part_anchor, "serve": part_serve, "overlap": part_overlap, "api-servers": part_api_servers,
-           "spectrum": part_spectrum, "prefix": part_prefix, "speculative": part_speculative, "quantize": part_quantize}
+           "spectrum": part_spectrum, "prefix": part_prefix, "speculative": part_speculative, "quantize": part_quantize,
+           "stream-interval": part_stream_interval}
 
 
 # --- the check: each part in its own process, bounded ------------------------------------------

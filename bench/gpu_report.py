@@ -39,7 +39,9 @@ def serve(result: dict, anchors: dict[int, float]) -> str:
              f"{r['http_cpu_ms_per_token']:.3f}", f"{r['core_cpu_ms_per_token']:.3f}"] for r in result["rows"]]
     header = ["clients", "served tok/s", "anchor tok/s", "served / anchor", "TTFT p50 / p99 ms", "ITL p50 / p99 ms",
               "HTTP CPU ms/token", "core CPU ms/token"]
-    return f"Server ready {result['startup_s']:.1f} s after launch.\n\n" + table(header, rows)
+    interval = result.get("stream_interval", 1)
+    writes = f" `--stream-interval {interval}`: a client's ITL is between events, {interval} per write." if interval != 1 else ""
+    return f"Server ready {result['startup_s']:.1f} s after launch.{writes}\n\n" + table(header, rows)
 
 
 def api_servers(result: dict, anchors: dict[int, float]) -> str:
@@ -75,7 +77,7 @@ def markdown(report: dict) -> str:
            f"{report['seconds']:.0f} s in all.", "",
            table(["part", "status", "seconds", "limit s", "what"],
                  [[r["part"], r["status"], f"{r['seconds']:.0f}", f"{r['limit_s']:.0f}", r["what"]] for r in report["parts"]])]
-    render = {"lane": lane, "anchor": anchor, "serve": lambda r: serve(r, anchors),
+    render = {"lane": lane, "anchor": anchor, "serve": lambda r: serve(r, anchors), "stream-interval": lambda r: serve(r, anchors),
               "api-servers": lambda r: api_servers(r, anchors), "spectrum": script, "prefix": script,
               "speculative": script, "overlap": script, "quantize": quantize}
     for name, row in parts.items():

@@ -42,6 +42,10 @@ def test_every_part_runs_and_reports(smoke_report):
     served = parts["serve"]["result"]["rows"]
     assert [row["clients"] for row in served] == report["config"]["clients"] and anchors >= {r["clients"] for r in served}
     assert all(row["tokens_per_s"] > 0 for row in served)
+    interval = parts["stream-interval"]["result"]
+    assert interval["stream_interval"] == gpu_check.STREAM_INTERVAL and parts["serve"]["result"]["stream_interval"] == 1
+    assert [row["clients"] for row in interval["rows"]] == report["config"]["clients"][-2:]
+    assert f"--stream-interval {gpu_check.STREAM_INTERVAL}" in markdown
     assert [row["api_servers"] for row in parts["api-servers"]["result"]["rows"]] == report["config"]["api_servers"]
     for row in parts["api-servers"]["result"]["rows"]:
         assert row["http_idle_cpu_percent"] < 50 and (row["gpu_processes"] is None) == (row["http_processes_on_gpu"] is None)
