@@ -16,7 +16,10 @@ machine being shared with the clients, unlike wall time) and the server's /metri
 - core µs per row-step: the engine core's CPU time over the rows it stepped (tokens computed);
 - core ms per step (host only: the stand-in device's sleep is not CPU time), and rows per step
   (how full the batch ran: the device's pace, --device-ms, decides how much streams overlap);
-- HTTP µs per token: the HTTP process's CPU time over the tokens the clients received.
+- HTTP µs per token: the HTTP process's CPU time over the tokens the clients received;
+- ITL p50/p99: the gaps between tokens as the clients read them (events in one read: 0), the
+  stand-in's view of the issue's "inter-token p99 at most 2x its p50" (the device's pace is a
+  steady sleep here, so what spreads the gaps is the host's work: admissions, prefills, bursts).
 The issue's goals: at most 10 µs per row-step at 256 streams, 30 µs HTTP CPU per token at 64.
 
 `--api-servers N` runs each server with N HTTP processes (their CPU summed with the supervisor's)
@@ -59,7 +62,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.bench_serve import prompt_texts
+from bench.bench_serve import percentile, prompt_texts
 from bench.common import ServiceProcess, add_smoke_argument, describe_machine, write_random_model
 from bench.host_standin import TINY, TOKEN_RANGE, TOKEN_STRIDE
 from tests.processes import api_server_pids, cpu_seconds, engine_core_pid
@@ -109,14 +112,17 @@ class HostCost:
     rows_per_step: float
     http_us_per_token: float  # over every HTTP process (and the supervisor, with --api-servers)
     tokens_per_second: float  # what the clients received, wall time
+    itl_ms: tuple[float, float]  # inter-token gaps the clients saw, p50 and p99
 
 
-async def light_stream(port: int, text: str, new_tokens: int) -> int:
+async def light_stream(port: int, text: str, new_tokens: int, gaps: list[float] | None = None) -> int:
     """One /generate_stream request over a raw connection; returns the events it received.
 
     Not httpx (bench_serve's client): with one Python process reading 256 streams, httpx's cost
     per event made the clients the bottleneck, so requests started late and the batch never
-    filled. Events are counted, not parsed (the server's bytes are what is measured here)."""
+    filled. Events are counted, not parsed (the server's bytes are what is measured here).
+    `gaps` gets the inter-token gaps as this client saw them: a read's first event the time since
+    the previous event, the others in the same read 0 (bench_serve's convention, per event)."""
     body = json.dumps({"inputs": text, "parameters": {"max_new_tokens": new_tokens, "ignore_eos": True}}).encode()
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     writer.write(b"POST /generate_stream HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
@@ -124,19 +130,27 @@ async def light_stream(port: int, text: str, new_tokens: int) -> int:
     head = await reader.read(1 << 16)
     if not head.startswith(b"HTTP/1.1 200"):
         raise RuntimeError(f"/generate_stream: {head[:500]!r}")
-    events, tail, chunk = 0, b"", head
+    events, tail, chunk, last = 0, b"", head, None
     while chunk:
         data = tail + chunk
-        events += data.count(b"data:")
+        arrived = data.count(b"data:")
+        events += arrived
+        if arrived and gaps is not None:
+            now = time.perf_counter()
+            if last is not None:
+                gaps.append(now - last)
+            gaps.extend([0.0] * (arrived - 1))
+            last = now
         tail = data[-4:]  # a "data:" cut by the read; too short to hold a whole one counted already
         chunk = await reader.read(1 << 16)
     writer.close()
     return events
 
 
-async def drive_light(port: int, texts: list[str], streams: int, per_stream: int, new_tokens: int) -> int:
+async def drive_light(port: int, texts: list[str], streams: int, per_stream: int, new_tokens: int,
+                      gaps: list[float] | None = None) -> int:
     async def stream(index: int) -> int:
-        return sum([await light_stream(port, texts[(index + r * streams) % len(texts)], new_tokens)
+        return sum([await light_stream(port, texts[(index + r * streams) % len(texts)], new_tokens, gaps)
                     for r in range(per_stream)])
 
     return sum(await asyncio.gather(*(stream(i) for i in range(streams))))
@@ -147,14 +161,15 @@ def measure(server: StandinServer, texts: list[str], streams: int, per_stream: i
     http_pids = [server.process.pid, *api_server_pids(server.process.pid)]  # with --api-servers: the supervisor's children
     steps_before, rows_before = server.metric("gpt2_batch_size_count"), server.metric("gpt2_batch_size_sum")
     core_before, http_before = cpu_seconds(core_pid), sum(map(cpu_seconds, http_pids))
-    started = time.perf_counter()
-    tokens = asyncio.run(drive_light(server.port, texts, streams, per_stream, new_tokens))
+    started, gaps = time.perf_counter(), []
+    tokens = asyncio.run(drive_light(server.port, texts, streams, per_stream, new_tokens, gaps))
     seconds = time.perf_counter() - started
     core_cpu, http_cpu = cpu_seconds(core_pid) - core_before, sum(map(cpu_seconds, http_pids)) - http_before
     steps = server.metric("gpt2_batch_size_count") - steps_before
     rows = server.metric("gpt2_batch_size_sum") - rows_before
     return HostCost(core_cpu / max(rows, 1) * 1e6, core_cpu / max(steps, 1) * 1e3, rows / max(steps, 1),
-                    http_cpu / max(tokens, 1) * 1e6, tokens / seconds)
+                    http_cpu / max(tokens, 1) * 1e6, tokens / seconds,
+                    (percentile(gaps, 0.5) * 1e3, percentile(gaps, 0.99) * 1e3))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -220,7 +235,8 @@ def main(argv: list[str] | None = None) -> None:
                         costs.setdefault((name, streams), []).append(cost)
                         print(f"round {round_} {name:3s} {streams:4d} streams: core {cost.core_us_per_row_step:6.1f} µs/row-step,"
                               f" {cost.core_ms_per_step:6.2f} ms/step, {cost.rows_per_step:5.1f} rows/step;"
-                              f" HTTP {cost.http_us_per_token:6.1f} µs/token; {cost.tokens_per_second:8.0f} tok/s"
+                              f" HTTP {cost.http_us_per_token:6.1f} µs/token; {cost.tokens_per_second:8.0f} tok/s;"
+                              f" ITL p50/p99 {cost.itl_ms[0]:.1f}/{cost.itl_ms[1]:.1f} ms"
                               f" (the stand-in device's pace: at most {streams / args.device_ms * 1e3 if args.device_ms else float('inf'):.0f})",
                               flush=True)
         finally:
@@ -259,7 +275,7 @@ def compare_cores(checkouts: dict[str, Path], launcher_dir: Path, args: argparse
 def print_summary(costs: dict[tuple[str, int], list[HostCost]], checkouts: dict[str, Path | str], streams: list[int]) -> None:
     print(f"\nmedians over rounds ({', '.join(f'{n}: {p}' for n, p in checkouts.items())})")
     print(f"{'streams':>7s} {'checkout':>8s} {'core µs/row-step':>17s} {'core ms/step':>13s} {'rows/step':>10s} {'HTTP µs/token':>14s}"
-          f" {'tok/s':>9s}")
+          f" {'tok/s':>9s} {'ITL p50/p99 ms':>15s}")
     for count in streams:
         for name in checkouts:
             runs = costs.get((name, count), [])
@@ -267,7 +283,8 @@ def print_summary(costs: dict[tuple[str, int], list[HostCost]], checkouts: dict[
                 continue
             med = lambda field: statistics.median(getattr(c, field) for c in runs)  # noqa: E731
             print(f"{count:7d} {name:>8s} {med('core_us_per_row_step'):17.1f} {med('core_ms_per_step'):13.2f}"
-                  f" {med('rows_per_step'):10.1f} {med('http_us_per_token'):14.1f} {med('tokens_per_second'):9.0f}")
+                  f" {med('rows_per_step'):10.1f} {med('http_us_per_token'):14.1f} {med('tokens_per_second'):9.0f}"
+                  f" {statistics.median(c.itl_ms[0] for c in runs):7.1f}/{statistics.median(c.itl_ms[1] for c in runs):.1f}")
         if "old" in checkouts and costs.get(("old", count)):
             ratio = lambda field: (statistics.median(getattr(c, field) for c in costs[("new", count)])  # noqa: E731
                                    / max(statistics.median(getattr(c, field) for c in costs[("old", count)]), 1e-9))
