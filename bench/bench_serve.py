@@ -90,7 +90,7 @@ def percentile(values: list[float], q: float) -> float:
 # --- the server ---------------------------------------------------------------------------------
 class Server(ServiceProcess):
     def __init__(self, args: argparse.Namespace, slots: int, quantize: str = "none", api_servers: int = 1,
-                 checkout: Path | None = None) -> None:
+                 checkout: Path | None = None, stream_interval: int = 1) -> None:
         """`checkout`: the folder whose code `-m service` runs (another worktree); default, this one."""
         self.label = quantize if len(args.api_servers) == 1 else f"{quantize}, {api_servers} HTTP"
         flags = service_flags(args, slots, args.new_tokens)
@@ -98,8 +98,8 @@ class Server(ServiceProcess):
             flags += ["--quantize", quantize]
         if api_servers != 1:
             flags += ["--api-servers", str(api_servers)]
-        if args.stream_interval != 1:
-            flags += ["--stream-interval", str(args.stream_interval)]
+        if stream_interval != 1:
+            flags += ["--stream-interval", str(stream_interval)]
         super().__init__(flags, cwd=checkout)
 
     def engine_config(self, eos_token_id: int, max_len: int) -> EngineConfig:
@@ -289,7 +289,7 @@ def main() -> None:
         for mode in dict.fromkeys(args.quantize):
             (ggufs[mode],) = convert(args.model_dir, args.gguf_dir, (llama_cpp_bench.GGUF_TYPE[mode, args.dtype],),
                                      bin_dir=args.llama_cpp)
-    servers = {(mode, n): Server(args, slots, mode, n) for mode in dict.fromkeys(args.quantize)
+    servers = {(mode, n): Server(args, slots, mode, n, stream_interval=args.stream_interval) for mode in dict.fromkeys(args.quantize)
                for n in dict.fromkeys(args.api_servers)}
     try:
         for server in servers.values():

@@ -129,10 +129,9 @@ def started_server(cfg: Config, api_servers: int = 1, stream_interval: int = 1):
 
     args = bench_serve.parse_args(["--model-dir", str(cfg.model_dir), "--device", cfg.device, "--dtype", cfg.dtype,
                                    "--new-tokens", str(cfg.new_tokens), "--no-reference",
-                                   "--clients", *map(str, cfg.clients), "--api-servers", str(api_servers),
-                                   "--stream-interval", str(stream_interval)])
+                                   "--clients", *map(str, cfg.clients), "--api-servers", str(api_servers)])
     began = time.perf_counter()
-    server = bench_serve.Server(args, max(cfg.clients), api_servers=api_servers)
+    server = bench_serve.Server(args, max(cfg.clients), api_servers=api_servers, stream_interval=stream_interval)
     try:
         server.wait_ready()
     except BaseException:
