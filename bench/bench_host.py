@@ -32,6 +32,9 @@ without the device.
 --stream-interval); without --against the reference ("old") is this checkout writing every token,
 so the ratio is the interval's own effect on the same code.
 
+`--gc-log PATH`: every server process times its garbage collections (PATH.new.http.json, ...:
+counts, seconds, each full collection's pause).
+
 `--profile PATH`: this checkout's engine core and HTTP process run under cProfile with the CPU
 clock (PATH.core, PATH.http; read with `python -m pstats`). It slows both several times: read
 call counts and shares from it, never the timings printed beside it.
@@ -65,6 +68,7 @@ import httpx
 from bench.bench_serve import percentile, prompt_texts
 from bench.common import ServiceProcess, add_smoke_argument, describe_machine, write_random_model
 from bench.host_standin import TINY, TOKEN_RANGE, TOKEN_STRIDE
+from service.common.gc_heap import freeze_startup_heap
 from tests.processes import api_server_pids, cpu_seconds, engine_core_pid
 
 LAUNCHER = "gpt2_host_standin"  # bench/host_standin.py's name beside another checkout
@@ -76,7 +80,8 @@ class StandinServer(ServiceProcess):
     """A checkout's server, launched through the stand-in (copied into `launcher_dir`)."""
 
     def __init__(self, checkout: Path, launcher_dir: Path, model_dir: Path, slots: int, new_tokens: int,
-                 device_ms: float, api_servers: int = 1, stream_interval: int = 1, profile: Path | None = None) -> None:
+                 device_ms: float, api_servers: int = 1, stream_interval: int = 1, profile: Path | None = None,
+                 gc_log: Path | None = None) -> None:
         self.checkout = checkout
         self.stream_interval = stream_interval
         flags = ["--model-dir", str(model_dir), "--max-batch-size", str(slots), "--max-waiting", str(max(64, slots)),
@@ -89,6 +94,8 @@ class StandinServer(ServiceProcess):
         env = {"PYTHONPATH": str(launcher_dir), "STANDIN_DEVICE_MS": str(device_ms)}
         if profile is not None:
             env["STANDIN_PROFILE"] = str(profile.resolve())
+        if gc_log is not None:
+            env["STANDIN_GC_LOG"] = str(gc_log.resolve())
         super().__init__(flags, cwd=checkout, env=env, module=LAUNCHER)
 
     def check_standin(self) -> None:
@@ -188,6 +195,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="this checkout's server writes a stream's tokens this many at a time (the first and last at once)")
     parser.add_argument("--profile", type=Path, default=None, metavar="PATH",
                         help="this checkout's engine core and HTTP process run under cProfile (CPU time): stats in PATH.core, PATH.http")
+    parser.add_argument("--gc-log", type=Path, default=None, metavar="PATH",
+                        help="each server's processes time their garbage collections: PATH.<checkout>.<process>.json")
     parser.add_argument("--core-only", action="store_true", help="the engine core alone, in process (bench/host_core.py)")
     parser.add_argument("--overlap", action="store_true", help="--core-only: with the core's overlap on (as on CUDA)")
     add_smoke_argument(parser)
@@ -218,9 +227,13 @@ def main(argv: list[str] | None = None) -> None:
         texts = prompt_texts(max(max(args.streams), 17), 8)
         servers = {name: StandinServer(path, launcher_dir, model_dir, max(args.streams), args.new_tokens,
                                      args.device_ms, args.api_servers, intervals[name],
-                                     args.profile if name == "new" else None)
+                                     args.profile if name == "new" else None,
+                                     None if args.gc_log is None else Path(f"{args.gc_log}.{name}"))
                    for name, path in checkouts.items()}
         costs: dict[tuple[str, int], list[HostCost]] = {}
+        # The clients' own start-up heap (torch among it) out of their collections: a full one
+        # here would stall every stream's reading at once and count as the server's gaps.
+        freeze_startup_heap("bench_host's clients")
         try:
             for server in servers.values():
                 server.wait_ready()

@@ -18,6 +18,9 @@ Left out with the device work: the kernels' launches (on a GPU each is a few µs
 which CUDA graphs fold into one), any wait for the device, and every cost proportional to the
 vocabulary (the logits gather, top-k alternatives, penalties' [B, V] masks).
 
+With $STANDIN_GC_LOG set to a path, each process (HTTP, engine core) times its garbage
+collections and writes them to PATH.http.json, PATH.gpt2-engine-core.json as it exits.
+
 With $STANDIN_PROFILE set to a path, the engine core's loop and the HTTP process run under
 cProfile timed by the process's CPU clock (waits for the device or the sockets count nothing)
 and write their stats to PATH.core and PATH.http as they exit (`python -m pstats PATH.core`).
@@ -91,7 +94,41 @@ def _build_core_with_standin(config):
     return core
 
 
+def record_gc_pauses(path_prefix: str) -> None:
+    """Time this process's garbage collections; at exit write PATH_PREFIX.<process>.json: per
+    generation the count, total and longest seconds, and each oldest-generation pause (seconds
+    since this was called, milliseconds)."""
+    import atexit
+    import gc
+    import json
+    import multiprocessing
+
+    began, started = time.perf_counter(), [0.0]
+    record = {"count": [0, 0, 0], "seconds": [0.0, 0.0, 0.0], "longest": [0.0, 0.0, 0.0], "full": []}
+
+    def timed(phase: str, info: dict) -> None:
+        if phase == "start":
+            started[0] = time.perf_counter()
+            return
+        seconds, generation = time.perf_counter() - started[0], info["generation"]
+        record["count"][generation] += 1
+        record["seconds"][generation] += seconds
+        record["longest"][generation] = max(record["longest"][generation], seconds)
+        if generation == 2:
+            record["full"].append((round(started[0] - began, 2), round(seconds * 1e3, 1)))
+
+    def write() -> None:
+        name = multiprocessing.current_process().name
+        with open(f"{path_prefix}.{'http' if name == 'MainProcess' else name}.json", "w") as out:
+            json.dump(record, out)
+
+    gc.callbacks.append(timed)
+    atexit.register(write)
+
+
 if __name__ in ("__main__", "__mp_main__"):
+    if os.environ.get("STANDIN_GC_LOG"):
+        record_gc_pauses(os.environ["STANDIN_GC_LOG"])
     engine_sampler.choose_tokens = standin_choose_tokens
     _build_core = engine_process.build_core
     engine_process.build_core = _build_core_with_standin
@@ -101,11 +138,12 @@ if __name__ in ("__main__", "__mp_main__"):
 if __name__ == "__main__":
     from service.__main__ import main
 
-    if os.environ.get("STANDIN_PROFILE"):
+    if os.environ.get("STANDIN_PROFILE") or os.environ.get("STANDIN_GC_LOG"):
         import signal
 
         # uvicorn re-raises the SIGTERM it stopped on once it is done: exit, not die, so the
-        # profile is written.
+        # profile and the GC log are written.
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-        main = _profiled(main, ".http")
+        if os.environ.get("STANDIN_PROFILE"):
+            main = _profiled(main, ".http")
     main()

@@ -35,6 +35,7 @@ from model.config import DTYPES
 from model.lora import AppliedAdapter
 from model.introspect import attention_maps, logit_lens
 from service.analysis.adapters import AnalysedAdapters, UnknownAdapter
+from service.common.gc_heap import freeze_startup_heap
 from service.analysis.figure import SVG_MEDIA_TYPE, FigureUnavailable, heatmaps_svg, render_svg
 from service.analysis.protocol import (
     Attention, Done, Failed, Hello, Lens, ListAdapters, LoadAdapter, Ready, Refused, Reply, Request, Spectrum,
@@ -93,6 +94,7 @@ def run_analysis(config: AnalysisProcessConfig, status=None) -> None:
         status.send(failure)
         status.close()
     analyst = Analyst(config, subjects, adapters) if failure is None else None
+    freeze_startup_heap("analysis")
     lower_priority()  # after loading: the server's start-up waits for that
     if analyst is not None:
         threading.Thread(target=analyst.warm, name="weight-spectra", daemon=True).start()

@@ -24,6 +24,7 @@ import zmq
 
 from model.config import DTYPES
 from model.quantized import QUANTIZE_METHODS, int8_weight_levels
+from service.common.gc_heap import freeze_startup_heap
 from service.engine.adapters import UnknownAdapter
 from service.engine.core import EngineConfig, EngineCore
 from service.engine.grammar import Grammars
@@ -80,6 +81,7 @@ def run_core(config: CoreProcessConfig) -> None:
     loop = CoreLoop(inputs, outputs, parent)
     try:
         loop.core = build_core(config)
+        freeze_startup_heap("engine core")
         loop.send_all(CoreReady(os.getpid(), loop.core.adapters.names))
         reason = loop.run()
     except Exception as exc:
