@@ -12,9 +12,10 @@ turns them into text and results (service/http/outputs.py) and hands each reques
 queue, or, for a stream that handed off (`hand_off`), its token events to the stream's sink, which
 writes them to the client at once. With a stream interval N > 1 (vLLM's and SGLang's
 --stream-interval) a stream's token events are held until N have gathered, then delivered
-together (one write instead of N: the socket's send is most of the HTTP CPU per token); its first
-token and its last go at once. A request submitted without token events (a whole answer) gets
-only its result: no wake-up of its waiting task per token.
+together (one write instead of N: a socket send per token is about a third of the HTTP CPU per
+token at 64 streams, docs/api-servers.md); its first token and its last go at once. A request
+submitted without token events (a whole answer) gets only its result: no wake-up of its waiting
+task per token.
 Admission is decided here, synchronously, so a refusal is an immediate 422 / 429 / 503: the core
 never has to answer a request with anything but tokens.
 If the core process dies, every waiting request fails at once and `running` turns False
