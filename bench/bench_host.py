@@ -68,7 +68,7 @@ import httpx
 from bench.bench_serve import percentile, prompt_texts
 from bench.common import ServiceProcess, add_smoke_argument, describe_machine, write_random_model
 from bench.host_standin import TINY, TOKEN_RANGE, TOKEN_STRIDE
-from service.common.gc_heap import freeze_startup_heap
+from service.engine.gc_heap import freeze_startup_heap
 from tests.processes import api_server_pids, cpu_seconds, engine_core_pid
 
 LAUNCHER = "gpt2_host_standin"  # bench/host_standin.py's name beside another checkout

@@ -97,7 +97,8 @@ def _build_core_with_standin(config):
 def record_gc_pauses(path_prefix: str) -> None:
     """Time this process's garbage collections; at exit write PATH_PREFIX.<process>.json: per
     generation the count, total and longest seconds, and each oldest-generation pause (seconds
-    since this was called, milliseconds)."""
+    since this was called, milliseconds, and the objects it left tracked: a count that keeps
+    growing while serving is a leak)."""
     import atexit
     import gc
     import json
@@ -115,7 +116,7 @@ def record_gc_pauses(path_prefix: str) -> None:
         record["seconds"][generation] += seconds
         record["longest"][generation] = max(record["longest"][generation], seconds)
         if generation == 2:
-            record["full"].append((round(started[0] - began, 2), round(seconds * 1e3, 1)))
+            record["full"].append((round(started[0] - began, 2), round(seconds * 1e3, 1), len(gc.get_objects())))
 
     def write() -> None:
         name = multiprocessing.current_process().name

@@ -44,7 +44,7 @@ from service.engine.core import EngineConfig
 from service.engine.process import CoreProcessConfig
 from service.http.drain import Drain, DrainMiddleware
 from service.common.errors import install_error_handlers
-from service.common.gc_heap import freeze_startup_heap
+from service.engine.gc_heap import freeze_startup_heap
 from service.http.generation import Generations
 from service.common.metrics import RequestMetricsMiddleware
 from service.http.request_guards import FramingMiddleware, HostAllowListMiddleware

@@ -35,7 +35,7 @@ from model.config import DTYPES
 from model.lora import AppliedAdapter
 from model.introspect import attention_maps, logit_lens
 from service.analysis.adapters import AnalysedAdapters, UnknownAdapter
-from service.common.gc_heap import freeze_startup_heap
+from service.engine.gc_heap import freeze_startup_heap
 from service.analysis.figure import SVG_MEDIA_TYPE, FigureUnavailable, heatmaps_svg, render_svg
 from service.analysis.protocol import (
     Attention, Done, Failed, Hello, Lens, ListAdapters, LoadAdapter, Ready, Refused, Reply, Request, Spectrum,

@@ -24,7 +24,7 @@ import zmq
 
 from model.config import DTYPES
 from model.quantized import QUANTIZE_METHODS, int8_weight_levels
-from service.common.gc_heap import freeze_startup_heap
+from service.engine.gc_heap import freeze_startup_heap
 from service.engine.adapters import UnknownAdapter
 from service.engine.core import EngineConfig, EngineCore
 from service.engine.grammar import Grammars

@@ -126,12 +126,14 @@ def test_arrow_scan_sees_every_spelling(tmp_path):
 
 # The analysis process (service/analysis/process.py) is spawned beside the engine core: like the
 # core it loads without the HTTP stack, and only its protocol's messages cross to the HTTP side.
-# Its adapters reuse the engine core's serving rules (service/engine/adapters.py, model-only).
+# Its adapters reuse the engine core's serving rules (service/engine/adapters.py, model-only), and
+# it freezes its start-up heap as the core does (service/engine/gc_heap.py, standard library only).
 ANALYSIS_PROCESS_FILES = ("process", "protocol", "report", "figure", "adapters")
 
 
 def test_the_analysis_process_imports_nothing_of_the_http_stack():
-    allowed = tuple(f"service.analysis.{name}" for name in ANALYSIS_PROCESS_FILES) + ("service.engine.adapters",)
+    allowed = tuple(f"service.analysis.{name}" for name in ANALYSIS_PROCESS_FILES) + (
+        "service.engine.adapters", "service.engine.gc_heap")
     offenders = {}
     for name in ANALYSIS_PROCESS_FILES:
         modules = module_imports(REPO / "service" / "analysis" / f"{name}.py", "service.analysis")

@@ -1,4 +1,4 @@
-"""The start-up heap is frozen out of garbage collection (service/common/gc_heap.py), in every
+"""The start-up heap is frozen out of garbage collection (service/engine/gc_heap.py), in every
 process of a real server, while what is made afterwards is still collected."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import weakref
 
 import pytest
 
-from service.common.gc_heap import freeze_startup_heap
+from service.engine.gc_heap import freeze_startup_heap
 from tests.service.live import live_server
 
 
