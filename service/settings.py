@@ -107,6 +107,9 @@ class Settings(BaseSettings):
         "", max_length=4000, description="comma-separated origins browsers may call from ('*': any); empty: CORS off"
     )
     log_format: Literal["text", "json"] = Field("text", description="json: one JSON object per log line")
+    access_log: bool = Field(
+        True, description="a log line per request (uvicorn's access log); --no-access-log saves its CPU (~50-90 us a request)",
+    )
     playground: bool = Field(
         True, description="serve the playground page at GET / (--no-playground: the API alone, GET / is 404)"
     )

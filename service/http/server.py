@@ -232,7 +232,7 @@ def serve(app: FastAPI, settings: Settings, sock: socket.socket | None = None) -
         # a connection over from the guarded one.
         ws="none",
         timeout_keep_alive=settings.keep_alive_seconds, timeout_graceful_shutdown=settings.drain_seconds,
-        log_config=log_config(settings.log_format),
+        log_config=log_config(settings.log_format), access_log=settings.access_log,
     )
     limit_repeated_lines()  # after uvicorn.Config, which configures logging
     DrainingServer(config, app.state.drain, settings.drain_seconds).run(sockets=None if sock is None else [sock])

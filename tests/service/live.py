@@ -67,7 +67,11 @@ def live_server(model_dir: Path, open_files: int | None = None, **flags) -> Iter
         flags.setdefault("api_servers", API_SERVERS)
     command = [sys.executable, "-m", "service", "--model-dir", str(model_dir), "--port", str(port), "--threads", "1"]
     for name, value in flags.items():
-        command += ["--" + name.replace("_", "-"), str(value)]
+        flag = name.replace("_", "-")
+        if isinstance(value, bool):  # the CLI's switches: --flag / --no-flag
+            command.append(f"--{flag}" if value else f"--no-{flag}")
+        else:
+            command += ["--" + flag, str(value)]
     limit = None if open_files is None else (lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (open_files, open_files)))
     process = subprocess.Popen(
         command, cwd=REPO, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

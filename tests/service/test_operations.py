@@ -71,3 +71,16 @@ def test_json_logs_name_the_request(tiny_model_dir):
     assert all({"time", "level", "logger", "message", "request_id"} <= set(line) for line in lines)
     access = [line for line in lines if line["logger"] == "uvicorn.access" and "/generate" in line["message"]]
     assert [line["request_id"] for line in access] == ["trace-me-42"]
+
+
+@pytest.mark.slow
+def test_no_access_log_leaves_out_the_line_per_request_only(tiny_model_dir):
+    with live_server(tiny_model_dir, log_format="json", access_log=False) as server:
+        response = httpx.post(server.url + "/generate", json={"inputs": "Hi", "parameters": {"max_new_tokens": 2}},
+                              timeout=60)
+        assert response.status_code == 200
+        server.process.terminate()
+        output = server.log(wait_for_exit=True)
+    lines = [json.loads(line) for line in output.splitlines() if line.startswith("{")]
+    assert not [line for line in lines if line["logger"] == "uvicorn.access"]
+    assert any(line["logger"] == "uvicorn.error" and "Application startup complete" in line["message"] for line in lines)
