@@ -28,9 +28,9 @@ with the stand-in device (at most streams / --device-ms). On a many-core host (a
 say) that answers whether N HTTP processes deliver what the device produces at 256 streams,
 without the device.
 
-`--stream-interval N` serves this checkout with that many tokens per write (the server's
---stream-interval); without --against the reference ("old") is this checkout writing every token,
-so the ratio is the interval's own effect on the same code.
+`--flags "..."` serves this checkout with those server flags added (`--flags="--stream-interval
+4"`, `--flags=--no-access-log`); without --against the reference ("old") is this checkout without
+them, so the ratio is the flags' own effect on the same code.
 
 `--gc-log PATH`: every server process times its garbage collections (PATH.new.http.json, ...:
 counts, seconds, each full collection's pause).
@@ -54,6 +54,7 @@ import asyncio
 import json
 import os
 import re
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -80,14 +81,12 @@ class StandinServer(ServiceProcess):
     """A checkout's server, launched through the stand-in (copied into `launcher_dir`)."""
 
     def __init__(self, checkout: Path, launcher_dir: Path, model_dir: Path, slots: int, new_tokens: int,
-                 device_ms: float, api_servers: int = 1, stream_interval: int = 1, profile: Path | None = None,
+                 device_ms: float, api_servers: int = 1, extra_flags: tuple[str, ...] = (), profile: Path | None = None,
                  gc_log: Path | None = None) -> None:
         self.checkout = checkout
-        self.stream_interval = stream_interval
         flags = ["--model-dir", str(model_dir), "--max-batch-size", str(slots), "--max-waiting", str(max(64, slots)),
                  "--max-new-tokens", str(max(new_tokens, 256)), "--threads", "1"]
-        if stream_interval != 1:
-            flags += ["--stream-interval", str(stream_interval)]
+        flags += extra_flags
         if api_servers != 1:  # the supervisor spawns the core (the stand-in reaches it) and N HTTP processes
             flags += ["--api-servers", str(api_servers)]
         # `-m gpt2_host_standin`, not `-m service`: the same flags, the stand-ins installed first.
@@ -191,8 +190,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="another checkout (git worktree) of the code: its server runs beside this one's")
     parser.add_argument("--api-servers", type=int, default=1,
                         help="the servers' HTTP processes (their CPU is summed); tok/s says whether they keep up")
-    parser.add_argument("--stream-interval", type=int, default=1,
-                        help="this checkout's server writes a stream's tokens this many at a time (the first and last at once)")
+    parser.add_argument("--flags", default="", metavar='"FLAGS"',
+                        help="server flags added to this checkout's server (the reference, without --against: the same checkout without them)")
     parser.add_argument("--profile", type=Path, default=None, metavar="PATH",
                         help="this checkout's engine core and HTTP process run under cProfile (CPU time): stats in PATH.core, PATH.http")
     parser.add_argument("--gc-log", type=Path, default=None, metavar="PATH",
@@ -212,9 +211,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     here = Path(__file__).resolve().parent.parent
     checkouts = {"new": here} | ({"old": args.against.resolve()} if args.against else {})
-    if args.stream_interval != 1 and not args.against:
-        checkouts["old"] = here  # the same code, writing every token as it comes
-    intervals = {"new": args.stream_interval, "old": 1}
+    extra = {"new": tuple(shlex.split(args.flags)), "old": ()}
+    if extra["new"] and not args.against:
+        checkouts["old"] = here  # the same code without the flags
     print(describe_machine(), flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         launcher_dir = Path(tmp) / "launcher"
@@ -226,7 +225,7 @@ def main(argv: list[str] | None = None) -> None:
         model_dir = write_random_model(Path(tmp) / "tiny", TINY)
         texts = prompt_texts(max(max(args.streams), 17), 8)
         servers = {name: StandinServer(path, launcher_dir, model_dir, max(args.streams), args.new_tokens,
-                                     args.device_ms, args.api_servers, intervals[name],
+                                     args.device_ms, args.api_servers, extra[name],
                                      args.profile if name == "new" else None,
                                      None if args.gc_log is None else Path(f"{args.gc_log}.{name}"))
                    for name, path in checkouts.items()}
@@ -255,7 +254,7 @@ def main(argv: list[str] | None = None) -> None:
         finally:
             for server in servers.values():
                 server.stop()
-    print_summary(costs, {name: f"{path} (stream interval {intervals[name]})" for name, path in checkouts.items()},
+    print_summary(costs, {name: f"{path} {' '.join(extra[name])}".rstrip() for name, path in checkouts.items()},
                   args.streams)
 
 
