@@ -1,12 +1,13 @@
 """Keep the start-up heap out of the garbage collector's full collections.
 
 Every process of the server (HTTP, engine core, analysis) imports torch, FastAPI, pydantic and
-more: ~170,000-220,000 objects alive before the first request, none of which will ever be
+more: ~170,000-340,000 objects alive before the first request, none of which will ever be
 garbage. CPython's oldest-generation collection walks every tracked object, so while serving,
 whenever enough objects have survived to trigger it, that process stops for the whole walk:
-measured 160-220 ms per collection in the engine core under 64 streams on the 2-core dev
-machine, several times a minute, each one a step that never ran (docs/performance.md). vLLM
-(`freeze_gc_heap`) and SGLang (`freeze_gc`) do what this does: collect once, then move what is
+measured 169-240 ms per collection, every few seconds, in the HTTP process under 64 and 256
+streams on the 2-core dev machine, during which no stream's tokens were written
+(docs/performance.md, "Garbage-collection pauses"). vLLM (`freeze_gc_heap`)
+and SGLang (`freeze_gc`) do what this does: collect once, then move what is
 left into the permanent generation (`gc.freeze`), which no collection walks again; objects made
 while serving are collected as before.
 """
