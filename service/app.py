@@ -44,7 +44,6 @@ from service.engine.core import EngineConfig
 from service.engine.process import CoreProcessConfig
 from service.http.drain import Drain, DrainMiddleware
 from service.common.errors import install_error_handlers
-from service.engine.gc_heap import freeze_startup_heap
 from service.http.generation import Generations
 from service.common.metrics import RequestMetricsMiddleware
 from service.http.request_guards import FramingMiddleware, HostAllowListMiddleware
@@ -180,7 +179,6 @@ def create_app(settings: Settings, link: CoreLink | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         await start_processes(state, analysis)
-        freeze_startup_heap("HTTP")
         state.serving = True
         try:
             yield

@@ -41,6 +41,7 @@ from fastapi import FastAPI
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from service.http.drain import Drain
+from service.engine.gc_heap import freeze_startup_heap
 from service.http.logs import log_config
 from service.common.errors import error_body
 from service.http.log_limit import limit_repeated_lines
@@ -201,6 +202,14 @@ class DrainingServer(uvicorn.Server):
         super().__init__(config)
         self.drain = drain
         self.drain_seconds = drain_seconds
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        if not self.should_exit:
+            # The lifespan has started the engine core and loaded all this process keeps. Here,
+            # not in the lifespan: an app started in a test process (TestClient) must not
+            # freeze that process's heap.
+            freeze_startup_heap("HTTP")
 
     def _in_flight(self) -> bool:
         return any(c.cycle is not None and not c.cycle.response_complete for c in self.server_state.connections)
