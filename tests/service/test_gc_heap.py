@@ -36,7 +36,8 @@ def test_garbage_made_before_is_collected_what_survives_is_frozen_and_later_garb
     before = cycle()
     frozen = freeze_startup_heap("test")
     assert before() is None  # collected before freezing: garbage is never frozen
-    assert frozen == gc.get_freeze_count() > 0
+    # (Not equal to the count read later: a frozen object freed by its reference count leaves.)
+    assert frozen > 0 and gc.get_freeze_count() > 0
     assert not any(o is kept for o in gc.get_objects())  # frozen: no generation lists it
     after = cycle()
     assert after() is not None
