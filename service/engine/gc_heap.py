@@ -28,6 +28,8 @@ def freeze_startup_heap(process: str) -> int:
     gc.freeze()
     # At exit, back under the collector: the interpreter's last collections free them as before
     # (frozen, some native extensions' objects outlive their module and nanobind reports leaks).
+    # Registered anew each call, atexit would run it once per call: unregister first.
+    atexit.unregister(gc.unfreeze)
     atexit.register(gc.unfreeze)
     frozen = gc.get_freeze_count()
     log.info("%s: %d start-up objects frozen out of garbage collection", process, frozen)

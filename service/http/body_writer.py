@@ -52,7 +52,7 @@ class BodyWriter:
         def write_events(events: list[TokenEvent]) -> bool:
             if not self.ready():
                 return False
-            self.write(event_bytes(events[0]) if len(events) == 1 else b"".join(map(event_bytes, events)))
+            self.write(b"".join(map(event_bytes, events)))
             return True
         return write_events
 
