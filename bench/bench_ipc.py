@@ -19,11 +19,12 @@ import time
 import zmq
 
 from service.engine.protocol import CoreOutput, encoder, from_core
-from service.engine.types import CoreStep, StepStats
+from service.engine.types import CoreStep, StepStats, StepTokens
 
 
 def step_message(tokens: int) -> CoreOutput:
-    rows = [(f"gen-{i:032x}", 0, 1000 + i, -1.25, None, None) for i in range(tokens)]
+    rows = StepTokens([f"gen-{i:032x}" for i in range(tokens)], [0] * tokens, [1000 + i for i in range(tokens)],
+                      [-1.25] * tokens)
     return CoreOutput(CoreStep(rows, [], [], [], StepStats(tokens, 0, tokens, tokens, 0, tokens, 256, 0.01)))
 
 

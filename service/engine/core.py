@@ -20,11 +20,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from model.gpt2 import GPT2
 from model.kv_cache import KVCache
-from model.transfer import to_device
+from model.transfer import host_tensor, to_device
 from service.engine.adapters import ServedAdapters
 from service.engine.beams import advance_beams, beam_results, start_beam_search
 from service.engine.forward import forward_from
@@ -32,6 +33,7 @@ from service.engine.grammar import Grammars
 from service.engine.graphs import StaticDecode
 from service.engine.prompt_scores import add_prompt_scores
 from service.engine.scheduler import PrefillChunk, RequestState, Scheduler, Sequence, StepPlan
+from service.engine.slot_rows import SlotRows
 from service.engine.step_sampler import LaunchedStep, StepRows, StepSampler, alternatives
 from service.engine.speculation import kept_length, new_drafter, propose
 from service.engine.ngram_drafter import NgramSettings
@@ -43,6 +45,7 @@ from service.engine.types import (
     RequestFailed,
     RequestStarted,
     StepStats,
+    StepTokens,
     TopLogprobs,
 )
 
@@ -82,7 +85,7 @@ class EngineConfig:
 class StepResults:
     """What postprocessing collects during one step, before it becomes a CoreStep."""
 
-    tokens: list[CoreToken] = field(default_factory=list)
+    tokens: StepTokens = field(default_factory=StepTokens)
     started: list[RequestStarted] = field(default_factory=list)
     done: list[RequestDone] = field(default_factory=list)
     decode_output_tokens: int = 0
@@ -110,6 +113,7 @@ class EngineCore:
         max_len = config.max_len or model.config.n_positions
         self.cache = KVCache(model.config, config.max_slots, max_len, self.device, model.dtype)
         self.sampler = StepSampler(config.max_slots, model.config.vocab_size, max_len, eos_token_id, self.device, grammars)
+        self.slot_rows = SlotRows(config.max_slots)
         self.scheduler = Scheduler(
             self.cache, config.max_waiting, config.max_prefill_tokens, self._start, config.prefix_caching,
             self._grammar_ready,
@@ -213,6 +217,7 @@ class EngineCore:
         if deferred:
             for _, seq in rows.sampled:
                 seq.pending += 1
+        launched.releases = self.scheduler.releases
         return launched
 
     def _rearrange(self, plan: StepPlan) -> None:
@@ -285,6 +290,8 @@ class EngineCore:
             matcher = self.grammars.matcher(params.grammar) if params.grammar is not None else None
             sequences.append(Sequence(index, slot, list(prompt), len(prompt), drafter=drafter, matcher=matcher,
                                       adapter=state.adapter))
+            self.slot_rows.write(slot, state.request.request_id, index, params, len(prompt),
+                                 per_row=drafter is not None or matcher is not None)
         state.host_paced = state.beam is not None or any(s.drafter is not None or s.matcher is not None for s in sequences)
         return sequences
 
@@ -294,6 +301,7 @@ class EngineCore:
         elif length:
             self.cache.copy_slots([src], [dst], length)
         self.sampler.move(src, dst)
+        self.slot_rows.move(src, dst)
 
     # --- run: forwards and sampling -------------------------------------------------------------
     def _layout(self, plan: StepPlan) -> StepRows:
@@ -343,10 +351,11 @@ class EngineCore:
                 slots.append(seq.slot)
                 counters.append(len(seq.token_ids) + j)
         # One host→device copy for the three index vectors: [3, B].
-        indices = to_device([logit_rows, slots, counters], self.device)
-        sample_rows, sample_slots, sample_counters = indices  # [B] each
+        host = host_tensor([logit_rows, slots, counters])
+        sample_rows, sample_slots, sample_counters = to_device(host, self.device)  # [B] each
         in_order = logit_rows == slots == list(range(len(slots)))
-        return StepRows(decoding, row_of, sampled, sample_rows, sample_slots, sample_counters, in_order, drafted)
+        facts = self.slot_rows.gather(slots, host[1].numpy(), host[2].numpy(), in_order)
+        return StepRows(decoding, row_of, sampled, sample_rows, sample_slots, sample_counters, facts, in_order, drafted)
 
     def _run(self, plan: StepPlan, rows: StepRows) -> torch.Tensor:
         """Logits [rows, V] in the layout of `rows`: decode rows, then prefill rows."""
@@ -417,10 +426,49 @@ class EngineCore:
         return out.logits[:, -1]  # [B, V]
 
     # --- postprocess ------------------------------------------------------------------------------
-    def _advance_all(self, launched: LaunchedStep, host: list[list[float]], results: StepResults) -> None:
-        """Append each sequence's tokens (`host`: the sampler's rows, one per sampled row): its
-        draft's that stand, then the model's own. The requests a sequence of which ended are added
-        to `launched.ended`."""
+    def _advance_all(self, launched: LaunchedStep, host: np.ndarray, results: StepResults) -> None:
+        """Append each sequence's tokens (`host`: the sampler's rows, one per sampled row) and
+        report them. The requests a sequence of which ended are added to `launched.ended`."""
+        if launched.rows.facts.per_row:  # drafts, stop token ids, grammars, alternatives
+            self._advance_each(launched, host.tolist(), results)
+        else:
+            self._advance_batch(launched, host, results)
+
+    def _advance_batch(self, launched: LaunchedStep, host: np.ndarray, results: StepResults) -> None:
+        """Every row one token with no per-row stop but EOS and length: the stops of the whole
+        batch as array operations, Python per row only to append a token to its sequence (and for
+        the rows that end)."""
+        facts, sampled = launched.rows.facts, launched.rows.sampled
+        columns = [host[:, 0].astype(np.int64), host[:, 1], facts.counters, facts.limit, facts.prompt_length,
+                   facts.eos_ends]
+        request_ids, indexes = facts.request_ids, facts.indexes
+        if launched.releases != self.scheduler.releases:  # a sequence ended since launch: one of these?
+            alive = [seq.finish_reason is None for _, seq in sampled]
+            if not all(alive):
+                keep = np.flatnonzero(alive)
+                columns = [column[keep] for column in columns]
+                picks = keep.tolist()
+                sampled = [sampled[i] for i in picks]
+                request_ids, indexes = [request_ids[i] for i in picks], [indexes[i] for i in picks]
+        tokens, logprobs, counters, limit, prompt_length, eos_ends = columns
+        eos = (tokens == self.eos_token_id) & eos_ends
+        ends = np.flatnonzero(eos | (counters + 1 >= limit)).tolist()
+        token_ids = tokens.tolist()
+        for (_, seq), token in zip(sampled, token_ids):
+            ids = seq.token_ids
+            ids.append(token)
+            seq.cached = len(ids) - 1  # the forward that chose it wrote every earlier token
+        reasons = {}
+        for i in ends:
+            state, seq = sampled[i]
+            reasons[i] = reason = "eos_token" if eos[i] else "length"
+            self.scheduler.release_sequence(seq, reason, state)
+            launched.ended.append(state)
+        results.tokens.extend(request_ids, indexes, token_ids, logprobs.tolist(), reasons)
+        results.decode_output_tokens += int((counters > prompt_length).sum())  # not a prompt's first token
+
+    def _advance_each(self, launched: LaunchedStep, host: list[list[float]], results: StepResults) -> None:
+        """Row by row: its draft's tokens that stand, then the model's own."""
         sampled, n, ended = launched.rows.sampled, launched.alternatives, launched.ended
         start = 0
         while start < len(sampled):
@@ -428,7 +476,7 @@ class EngineCore:
             if seq.finish_reason is not None:  # ended (or cancelled) since its step was launched
                 start += 1
                 continue
-            if not seq.draft and seq.drafter is None:  # the usual row: one token, no draft to judge
+            if not seq.draft and seq.drafter is None:  # one token, no draft to judge
                 row = host[start]
                 token = self._advance(state, seq, row, alternatives(row, n, state.params.top_logprobs) if n else None)
                 results.tokens.append(token)

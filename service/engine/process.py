@@ -42,7 +42,7 @@ from service.engine.protocol import (
     to_core,
 )
 from service.engine.routing import Owners
-from service.engine.types import CoreStep, EngineStopped, QueueFull, RequestFailed, StepStats
+from service.engine.types import CoreStep, EngineStopped, QueueFull, RequestFailed, StepStats, StepTokens
 from weights.tokenizer import GPT2Tokenizer
 
 log = logging.getLogger(__name__)
@@ -209,4 +209,4 @@ class CoreLoop:
         cache = self.core.cache
         stats = StepStats(0, 0, 0, len(self.core.scheduler.running), self.core.scheduler.waiting_count,
                           cache.slots_used, cache.max_slots, 0.0)
-        self._send(CoreStep([], [], [], [RequestFailed(r, message, status) for r in request_ids], stats))
+        self._send(CoreStep(StepTokens(), [], [], [RequestFailed(r, message, status) for r in request_ids], stats))

@@ -7,7 +7,7 @@ requests' tokens and results.
 
 from __future__ import annotations
 
-from service.engine.types import CoreStep
+from service.engine.types import CoreStep, StepTokens
 
 
 class Owners:
@@ -24,7 +24,7 @@ class Owners:
     def split(self, step: CoreStep) -> list[CoreStep]:
         """One CoreStep per client, then forget the requests that ended in this step."""
         owner = self._owner
-        parts = [CoreStep([], [], [], [], step.stats) for _ in range(self.clients)]
+        parts = [CoreStep(StepTokens(), [], [], [], step.stats) for _ in range(self.clients)]
         for token in step.tokens:
             parts[owner.get(token[0], 0)].tokens.append(token)
         for started in step.started:

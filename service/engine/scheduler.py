@@ -220,6 +220,7 @@ class Scheduler:
         self._cancel: set[str] = set()
         self._active_ids: set[str] = set()  # submitted and not yet finished
         self._closed = False
+        self.releases = 0  # sequences ended so far (finished or cancelled)
 
     # --- submission side ----------------------------------------------------------------------------
     def submit(self, requests: list[GenerationRequest], adapters: list[int] | None = None) -> list[RequestState]:
@@ -399,6 +400,7 @@ class Scheduler:
     def release_sequence(self, seq: Sequence, reason: FinishReason, state: RequestState) -> None:
         """The sequence ends; its slot keeps what it cached for prompts that share it."""
         seq.finish_reason = reason
+        self.releases += 1
         self.cache.free(seq.slot)
         self.prefix.keep(seq.slot, seq.token_ids[: seq.cached], state.scored_prefix, seq.adapter)
 

@@ -10,11 +10,16 @@ SamplingParams, plain Python).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from model.logits_processors import NO_TOKEN, Controls
 from model.transfer import to_device
 from service.engine.types import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, SamplingParams
+
+if TYPE_CHECKING:  # slot_rows reads this module's predicates
+    from service.engine.slot_rows import RowFeatures
 
 
 # Columns of the float table (the order Controls.floats has).
@@ -87,28 +92,26 @@ class SlotControls:
         for table in self._tables:
             table[dst] = table[src]
 
-    def gather(self, slots: torch.Tensor | slice, counters: torch.Tensor, params: list[SamplingParams]) -> Controls | None:
+    def gather(self, slots: torch.Tensor | slice, counters: torch.Tensor, features: RowFeatures) -> Controls | None:
         """Controls of the rows using `slots` [B] (or a slice of the first B: views) holding
-        `counters` [B] tokens; None if no row has any. `params`: those rows' settings, where plain
-        rows (SamplingParams.plain) may be left out (they use no control)."""
-        bias, counts, history, min_new = (any(f(p) for p in params) for f in (uses_bias, uses_counts, uses_history, uses_min_new))
-        warpers = any(uses_warpers(p) for p in params)
-        if not (bias or counts or history or min_new or warpers):
+        `counters` [B] tokens; None if no row has any. `features`: which of them those rows use."""
+        f = features
+        if not f.controls:
             return None
         ints = self._ints[slots]  # [B, 3]
         return Controls(
-            bias=self._bias[slots] if bias else None,
-            counts=self._counts[slots] if counts else None,
+            bias=self._bias[slots] if f.bias else None,
+            counts=self._counts[slots] if f.counts else None,
             floats=self._floats[slots],
-            new_tokens=counters - ints[:, PROMPT_LENGTH] if min_new else None,
-            min_new_tokens=ints[:, MIN_NEW_TOKENS] if min_new else None,
-            stop_tokens=self._stop[slots] if min_new else None,
-            history=self._history[slots] if history else None,
-            lengths=counters if history else None,
-            ngram=ints[:, NGRAM] if history else None,
-            max_ngram=max((p.no_repeat_ngram_size for p in params), default=0),
-            bad=self._bad[slots] if history and any(p.bad_words_ids for p in params) else None,
-            warpers=warpers,
+            new_tokens=counters - ints[:, PROMPT_LENGTH] if f.min_new else None,
+            min_new_tokens=ints[:, MIN_NEW_TOKENS] if f.min_new else None,
+            stop_tokens=self._stop[slots] if f.min_new else None,
+            history=self._history[slots] if f.history else None,
+            lengths=counters if f.history else None,
+            ngram=ints[:, NGRAM] if f.history else None,
+            max_ngram=f.max_ngram if f.history else 0,
+            bad=self._bad[slots] if f.history and f.bad_words else None,
+            warpers=f.warpers,
         )
 
     def record(self, controls: Controls | None, slots: torch.Tensor, counters: torch.Tensor, tokens: torch.Tensor) -> None:

@@ -10,6 +10,7 @@ import torch
 
 from model.sampling import SamplingTensors
 from model.transfer import to_device
+from service.engine.slot_rows import RowFeatures
 from service.engine.types import SamplingParams
 
 # Columns of the float table.
@@ -46,10 +47,9 @@ class SlotParams:
         self._seed[dst] = self._seed[src]
         self._seen[dst] = self._seen[src]
 
-    def gather(self, slots: torch.Tensor | slice, params: list[SamplingParams]) -> SamplingTensors:
+    def gather(self, slots: torch.Tensor | slice, features: RowFeatures) -> SamplingTensors:
         """The parameters of rows using `slots` [B] (or slots 0..B-1 as a slice: views, no copy);
-        `params`: the settings of those rows, where plain rows (SamplingParams.plain) may be left
-        out (they use no flagged stage)."""
+        `features`: which optional stages those rows use."""
         floats = self._floats[slots]  # [B, 4]
         return SamplingTensors(
             temperature=floats[:, TEMPERATURE],
@@ -58,9 +58,9 @@ class SlotParams:
             repetition_penalty=floats[:, PENALTY],
             do_sample=floats[:, DO_SAMPLE] > 0,
             seed=self._seed[slots],
-            any_sample=any(p.do_sample for p in params),
-            any_top_k_top_p=any(p.do_sample and (p.top_k > 0 or p.top_p < 1.0) for p in params),
-            any_penalty=any(p.repetition_penalty != 1.0 for p in params),
+            any_sample=features.sample,
+            any_top_k_top_p=features.top_k_top_p,
+            any_penalty=features.penalty,
         )
 
     def seen(self, slots: torch.Tensor | slice) -> torch.Tensor:

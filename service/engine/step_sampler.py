@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from model.sampling import choose_tokens
@@ -20,6 +21,7 @@ from service.engine.grammar import Grammars
 from service.engine.scheduler import RequestState, Sequence
 from service.engine.slot_controls import SlotControls
 from service.engine.slot_params import SlotParams
+from service.engine.slot_rows import RowFacts
 from service.engine.types import SamplingParams, TopLogprobs
 
 
@@ -40,6 +42,7 @@ class StepRows:
     # packed into slots 0..B-1 (a persistent batch). The per-slot tables are then read as views
     # of their first B rows and the logits as a view of theirs, with no gather (on a GPU: no
     # [B, V] copy and no index kernels).
+    facts: RowFacts  # the sampled rows' facts from the slot tables (service/engine/slot_rows.py)
     in_slot_order: bool = False
     drafted: bool = False  # a decoding sequence verifies a draft this step
 
@@ -66,6 +69,9 @@ class LaunchedStep:
     # Requests a sequence of which ended in this step (beams at launch, the rest when read):
     # the only ones that can have finished.
     ended: list[RequestState] = field(default_factory=list)
+    # The scheduler's count of ended sequences once it was launched: unchanged when its tokens
+    # are read, none of its rows can have ended in between.
+    releases: int = 0
 
 
 class StepSampler:
@@ -98,13 +104,12 @@ class StepSampler:
         if not rows.sampled:
             return LaunchedStep(rows, active, completing, None, 0, None, deferred)
         slots, read = rows.sample_slots, rows.read
-        requested = [state.request.params for state, _ in rows.sampled]
-        special = [p for p in requested if not p.plain]  # the rows that use any optional stage
-        params = self.slot_params.gather(read, special)
-        params.controls = self.slot_controls.gather(read, rows.sample_counters, special)
+        features = rows.facts.features
+        params = self.slot_params.gather(read, features)
+        params.controls = self.slot_controls.gather(read, rows.sample_counters, features)
         seen = self.slot_params.seen(read) if params.any_penalty else None
         step_logits = logits[: len(rows.sampled)] if rows.in_slot_order else logits[rows.sample_rows]  # [B, V]
-        if any(p.grammar is not None for p in special):
+        if features.grammar:
             # The grammar's forbidden tokens at -inf before anything reads the logits: the
             # sampler, the log-probabilities and the alternatives see the constrained
             # distribution. Unconstrained rows are untouched (their values, their bits).
@@ -118,7 +123,7 @@ class StepSampler:
             self.last_tokens[read] = tokens
         columns = [tokens[:, None].double(), logprobs[:, None].double()]
         # Alternatives: as many as the most demanding row asked for; each row keeps its own count.
-        n = max(p.top_logprobs for p in requested)
+        n = features.top_logprobs
         if n:
             top_ids, top_logprobs = top_alternatives(step_logits.float(), n)  # [B, n], [B, n]
             columns += [top_ids.double(), top_logprobs.double()]
@@ -132,15 +137,15 @@ class StepSampler:
             ready.record()
         return LaunchedStep(rows, active, completing, host, n, ready, deferred)
 
-    def read(self, launched: LaunchedStep) -> list[list[float]]:
-        """The launched step's host rows, one per sampled row (`launched.rows.sampled`), once the
-        device has them: [token, log-prob, n alternative ids, their n log-probs] (`alternatives`
-        makes a row's wanted ones of those). Plain lists: the caller reads each row once."""
+    def read(self, launched: LaunchedStep) -> np.ndarray:
+        """The launched step's host rows [B, 2 + 2n], one per sampled row (`launched.rows.sampled`),
+        once the device has them: token, log-prob, n alternative ids, their n log-probs
+        (`alternatives` makes a row's wanted ones of those)."""
         if launched.sampled is None:
-            return []
+            return np.zeros((0, 2))
         if launched.ready is not None:
             launched.ready.synchronize()
-        return launched.sampled.tolist()
+        return launched.sampled.numpy()
 
 
 def alternatives(row: list[float], n: int, wanted: int) -> TopLogprobs | None:

@@ -182,6 +182,52 @@ CoreToken = tuple[str, int, int, float, FinishReason | None, TopLogprobs | None]
 
 
 @dataclass
+class StepTokens:
+    """A step's new tokens as columns: entry i of each list is token i. The core fills them with
+    a few list operations per step (whole columns from the step's arrays), not a tuple per token;
+    the rare parts are kept by position. Iterating gives CoreToken tuples."""
+
+    request_ids: list[str] = field(default_factory=list)
+    indexes: list[int] = field(default_factory=list)  # sequence index within the request
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    reasons: dict[int, FinishReason] = field(default_factory=dict)  # i → its sequence ended with it
+    top: dict[int, TopLogprobs] = field(default_factory=dict)  # i → its alternatives, when asked for
+
+    def append(self, token: CoreToken) -> None:
+        request_id, index, token_id, logprob, reason, top = token
+        position = len(self.token_ids)
+        self.request_ids.append(request_id)
+        self.indexes.append(index)
+        self.token_ids.append(token_id)
+        self.logprobs.append(logprob)
+        if reason is not None:
+            self.reasons[position] = reason
+        if top is not None:
+            self.top[position] = top
+
+    def extend(self, request_ids: list[str], indexes: list[int], token_ids: list[int], logprobs: list[float],
+               reasons: dict[int, FinishReason]) -> None:
+        """Columns of tokens with no alternatives; `reasons` by position within them."""
+        offset = len(self.token_ids)
+        self.request_ids += request_ids
+        self.indexes += indexes
+        self.token_ids += token_ids
+        self.logprobs += logprobs
+        self.reasons.update((offset + i, reason) for i, reason in reasons.items())
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    def __iter__(self):
+        reasons, top = self.reasons, self.top
+        for position, (request_id, index, token_id, logprob) in enumerate(
+            zip(self.request_ids, self.indexes, self.token_ids, self.logprobs)
+        ):
+            yield request_id, index, token_id, logprob, reasons.get(position), top.get(position)
+
+
+@dataclass
 class StepStats:
     """What one engine step did, for metrics (sent with the step's output to the HTTP side)."""
 
@@ -208,7 +254,7 @@ class StepStats:
 class CoreStep:
     """Everything one engine-core step produced, sent to the HTTP side as one message."""
 
-    tokens: list[CoreToken]
+    tokens: StepTokens
     started: list[RequestStarted]
     done: list[RequestDone]
     failed: list[RequestFailed]

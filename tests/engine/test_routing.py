@@ -4,7 +4,7 @@ and the in-flight count every HTTP process admits against (service/http/core_lin
 from __future__ import annotations
 
 from service.engine.routing import Owners
-from service.engine.types import CoreStep, RequestDone, RequestFailed, RequestStarted, StepStats
+from service.engine.types import CoreStep, RequestDone, RequestFailed, RequestStarted, StepStats, StepTokens
 from service.http.core_link import RunDir, SharedInFlight
 
 STATS = StepStats(3, 0, 3, 3, 0, 3, 8, 0.01)
@@ -14,12 +14,19 @@ def token(request_id: str, token_id: int, reason=None):
     return (request_id, 0, token_id, -1.0, reason, None)
 
 
+def tokens(*rows) -> StepTokens:
+    columns = StepTokens()
+    for row in rows:
+        columns.append(row)
+    return columns
+
+
 def test_each_process_gets_its_own_requests_and_every_process_the_stats():
     owners = Owners(3)
     owners.add(["a1", "a2"], 0)
     owners.add(["c1"], 2)
     step = CoreStep(
-        tokens=[token("a1", 10), token("c1", 11), token("a2", 12, "length")],
+        tokens=tokens(token("a1", 10), token("c1", 11), token("a2", 12, "length")),
         started=[RequestStarted("c1", 0.1, 5)],
         done=[RequestDone("a2")],
         failed=[RequestFailed("c1", "boom")],
@@ -27,6 +34,8 @@ def test_each_process_gets_its_own_requests_and_every_process_the_stats():
     )
     parts = owners.split(step)
     assert [[t[0] for t in p.tokens] for p in parts] == [["a1", "a2"], [], ["c1"]]
+    # Each part's columns stay aligned: a reason moves with its token.
+    assert list(parts[0].tokens) == [token("a1", 10), token("a2", 12, "length")]
     assert [[s.request_id for s in p.started] for p in parts] == [[], [], ["c1"]]
     assert [[d.request_id for d in p.done] for p in parts] == [["a2"], [], []]
     assert [[f.request_id for f in p.failed] for p in parts] == [[], [], ["c1"]]
