@@ -5,6 +5,7 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from model.config import GPT2Config
@@ -54,6 +55,7 @@ class KVCache:
         # bottom, which keeps most decode batches on the no-copy `span` path.
         self._free: list[int] = list(range(max_slots))
         self._used: set[int] = set()
+        self.in_use = np.zeros(max_slots, dtype=bool)  # the same as a mask, for array operations
 
     # --- slot ownership -------------------------------------------------------------------
     @property
@@ -73,6 +75,7 @@ class KVCache:
             raise RuntimeError(f"KV cache full: asked for {count} slots, {len(self._free)} free")
         slots = [heapq.heappop(self._free) for _ in range(count)]
         self._used.update(slots)
+        self.in_use[slots] = True
         return slots
 
     def claim(self, slot: int) -> None:
@@ -82,6 +85,7 @@ class KVCache:
         self._free.remove(slot)
         heapq.heapify(self._free)
         self._used.add(slot)
+        self.in_use[slot] = True
 
     @property
     def packed(self) -> bool:
@@ -97,14 +101,19 @@ class KVCache:
             if slot not in self._used:
                 raise RuntimeError(f"slot {slot} is not in use")
             self._used.remove(slot)
+            self.in_use[slot] = False
             heapq.heappush(self._free, slot)
 
     # --- tensors ----------------------------------------------------------------------------
-    def batch(self, slots: list[int], ids: torch.Tensor | None = None) -> SlotBatch:
+    def batch(self, slots: list[int] | np.ndarray, ids: torch.Tensor | None = None) -> SlotBatch:
         """`ids`: the slots as a tensor on the device already (copied there with other inputs)."""
         if ids is None:
             ids = to_device(slots, self.device)
-        consecutive = all(b == a + 1 for a, b in zip(slots, slots[1:]))
+        if isinstance(slots, np.ndarray):
+            consecutive = bool((np.diff(slots) == 1).all())
+            slots = slots[:1].tolist() + slots[-1:].tolist()  # the span's ends
+        else:
+            consecutive = all(b == a + 1 for a, b in zip(slots, slots[1:]))
         span = slice(slots[0], slots[-1] + 1) if slots and consecutive else None
         return SlotBatch(ids=ids, span=span)
 

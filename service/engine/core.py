@@ -25,7 +25,7 @@ import torch
 
 from model.gpt2 import GPT2
 from model.kv_cache import KVCache
-from model.transfer import host_tensor, to_device
+from model.transfer import to_device
 from service.engine.adapters import ServedAdapters
 from service.engine.beams import advance_beams, beam_results, start_beam_search
 from service.engine.forward import forward_from
@@ -33,7 +33,7 @@ from service.engine.grammar import Grammars
 from service.engine.graphs import StaticDecode
 from service.engine.prompt_scores import add_prompt_scores
 from service.engine.scheduler import PrefillChunk, RequestState, Scheduler, Sequence, StepPlan
-from service.engine.slot_rows import SlotRows
+from service.engine.slot_rows import EOS, LAST, PROMPT_LENGTH, SlotRows
 from service.engine.step_sampler import LaunchedStep, StepRows, StepSampler, alternatives
 from service.engine.speculation import kept_length, new_drafter, propose
 from service.engine.ngram_drafter import NgramSettings
@@ -54,6 +54,9 @@ log = logging.getLogger(__name__)
 # Spreads the seeds of a request's several sampled sequences (2^64 / golden ratio).
 SEED_STRIDE = 0x9E3779B97F4A7C15
 SEED_MODULUS = 2**63  # seeds are int64 tensors on the device
+# From this many rows a step's tokens are read as a batch (_advance_batch): below it numpy's cost
+# per operation (~1 µs, a dozen of them) exceeds Python's per row.
+BATCHED_READ_ROWS = 16
 
 
 @dataclass(frozen=True)
@@ -156,7 +159,7 @@ class EngineCore:
                 self._postprocess(previous, results)
                 previous = None
             failed += self._refuse_uncompiled()
-            plan = self.scheduler.schedule(started)
+            plan = self.scheduler.schedule(started, in_flight=previous is not None)
             results.done += [self._finish(state) for state in plan.cancelled]
             prefill_tokens = plan.prefill_tokens
             cached_tokens = plan.cached_tokens
@@ -217,6 +220,8 @@ class EngineCore:
         if deferred:
             for _, seq in rows.sampled:
                 seq.pending += 1
+        if not rows.drafted:  # a drafted step's lengths are known once its tokens are read
+            self.slot_rows.drew(rows.facts.slots)
         launched.releases = self.scheduler.releases
         return launched
 
@@ -290,8 +295,7 @@ class EngineCore:
             matcher = self.grammars.matcher(params.grammar) if params.grammar is not None else None
             sequences.append(Sequence(index, slot, list(prompt), len(prompt), drafter=drafter, matcher=matcher,
                                       adapter=state.adapter))
-            self.slot_rows.write(slot, state.request.request_id, index, params, len(prompt),
-                                 per_row=drafter is not None or matcher is not None)
+            self.slot_rows.write(state, sequences[-1], self.eos_token_id)
         state.host_paced = state.beam is not None or any(s.drafter is not None or s.matcher is not None for s in sequences)
         return sequences
 
@@ -317,12 +321,45 @@ class EngineCore:
         # those that do took the next free slots, sampled row b is logits row b and slot b for
         # every b: the read path without gathers. (A prompt admitted into a slot a finished
         # sequence left inside the batch, the usual case under heavy churn, still gathers.)
+        if self.scheduler.host_paced_running:  # beams, drafts or grammars: some rows need their own
+            return self._layout_each(plan)
+        # Every row draws one token from the sampler: who holds each slot and its length come from
+        # the slot table (a persistent batch), and the decode feeds the sampler's last tokens.
+        slot_rows = self.slot_rows
+        slots = slot_rows.decoding(self.cache.in_use)  # plan.decode's sequences' slots
+        decoding = list(map(slot_rows.seq.__getitem__, slots))
+        sampled = list(zip(map(slot_rows.state.__getitem__, slots), decoding))
+        row_of = dict(zip(slots, range(len(slots))))
+        rows = len(slots)
+        for index, chunk in enumerate(plan.prefill):
+            if chunk.completes:
+                row_of.update((seq.slot, rows + index) for seq in chunk.state.sequences)
+        completing = [(state, seq) for state in plan.completing for seq in state.live]
+        if completing:
+            sampled += completing
+            slots = slots + [seq.slot for _, seq in completing]
+        logit_rows = list(range(rows)) + [row_of[seq.slot] for _, seq in completing]
+        host = np.empty((3, len(slots)), dtype=np.int64)  # one host→device copy: [3, B]
+        host[0], host[1], host[2] = logit_rows, slots, slot_rows.lengths(slots)
+        return self._rows(decoding, row_of, sampled, host, slots, logit_rows, drafted=False, from_device=True)
+
+    def _rows(self, decoding: list[Sequence], row_of: dict[int, int], sampled: list, host: np.ndarray, slots: list[int],
+              logit_rows: list[int], drafted: bool, from_device: bool) -> StepRows:
+        """`host`: [3, B] the sampled rows' logits rows, slots and counters."""
+        sample_rows, sample_slots, sample_counters = to_device(torch.from_numpy(host), self.device)  # [B] each
+        in_order = logit_rows == slots == list(range(len(slots)))
+        facts = self.slot_rows.gather(slots, host[1], host[2], in_order)
+        return StepRows(decoding, row_of, sampled, sample_rows, sample_slots, sample_counters, facts, in_order, drafted,
+                        from_device)
+
+    def _layout_each(self, plan: StepPlan) -> StepRows:
+        """The layout row by row, from the sequences themselves."""
         by_slot = sorted([(seq.slot, state, seq) for state in plan.decode for seq in state.live])  # slots are unique
         decoding = [seq for _, _, seq in by_slot]
         sampled = [(state, seq) for _, state, seq in by_slot]
         if self.scheduler.host_paced_running:  # beams among them, perhaps: they choose their own tokens
             sampled = [(state, seq) for state, seq in sampled if state.beam is None]
-        drafted = any(seq.draft for seq in decoding)
+        drafted = self.config.speculative is not None and any(seq.draft for seq in decoding)
         if not drafted:
             # Comprehensions, not a loop of appends: this runs over every row of every step.
             row_of = dict(zip([seq.slot for seq in decoding], range(len(decoding))))
@@ -350,18 +387,14 @@ class EngineCore:
                 logit_rows.append(row_of[seq.slot] + j)
                 slots.append(seq.slot)
                 counters.append(len(seq.token_ids) + j)
-        # One host→device copy for the three index vectors: [3, B].
-        host = host_tensor([logit_rows, slots, counters])
-        sample_rows, sample_slots, sample_counters = to_device(host, self.device)  # [B] each
-        in_order = logit_rows == slots == list(range(len(slots)))
-        facts = self.slot_rows.gather(slots, host[1].numpy(), host[2].numpy(), in_order)
-        return StepRows(decoding, row_of, sampled, sample_rows, sample_slots, sample_counters, facts, in_order, drafted)
+        host = np.array([logit_rows, slots, counters], dtype=np.int64).reshape(3, len(slots))
+        return self._rows(decoding, row_of, sampled, host, slots, logit_rows, drafted, from_device=False)
 
     def _run(self, plan: StepPlan, rows: StepRows) -> torch.Tensor:
         """Logits [rows, V] in the layout of `rows`: decode rows, then prefill rows."""
         # The two forwards touch disjoint cache entries (padded rows write only positions no
         # sequence caches), so their order is free.
-        decoded = self._decode(rows.decoding, rows.drafted) if rows.decoding else None
+        decoded = self._decode(rows) if rows.decoding else None
         prefilled = self._prefill(plan.prefill) if plan.prefill else None
         parts = [part for part in (decoded, prefilled) if part is not None]
         return torch.cat(parts) if len(parts) > 1 else parts[0]
@@ -397,12 +430,15 @@ class EngineCore:
                 seq.cached = len(seq.token_ids)
         return out.logits  # [B, V]
 
-    def _decode(self, seqs: list[Sequence], drafted: bool) -> torch.Tensor:
+    def _decode(self, step_rows: StepRows) -> torch.Tensor:
         """Logits [B + drafted tokens, V]: one row per sequence (in slot order), 1 + k for one with
-        a draft (`drafted`: some have one)."""
-        slots = [s.slot for s in seqs]
+        a draft."""
+        seqs = step_rows.decoding
         lora = self.adapters.rows(s.adapter for s in seqs)
-        if drafted:  # verification: 1 + k positions per row, eagerly
+        if step_rows.from_device:
+            return self._decode_batch(step_rows, lora)
+        slots = [s.slot for s in seqs]
+        if step_rows.drafted:  # verification: 1 + k positions per row, eagerly
             starts = [len(s.token_ids) - 1 for s in seqs]
             pieces = [[s.token_ids[-1]] + s.draft for s in seqs]
             # Each position as decoding computes it, so a draft's length (which the batch
@@ -425,12 +461,32 @@ class EngineCore:
         out = self.model(input_ids[:, None], positions[:, None], self.cache, rows, kv_length=max(lengths), lora=lora)
         return out.logits[:, -1]  # [B, V]
 
+    def _decode_batch(self, step_rows: StepRows, lora) -> torch.Tensor:
+        """Every decoding row feeds its slot's last sampled token, left on the device by the sampler
+        (`last_tokens`), at the position before its counter: no Python per row."""
+        count = len(step_rows.decoding)  # the first rows sampled: slots ascending
+        slots, counters = step_rows.facts.slots[:count], step_rows.facts.counters[:count]
+        positions = counters - 1
+        if self.static_decode is not None and lora is None:  # a graph holds no adapter: eager with one
+            return self.static_decode.run(slots, np.zeros(count, dtype=np.int64), positions, np.ones(count, dtype=bool),
+                                          self.sampler.last_tokens)
+        slot_ids, positions_on_device = to_device(torch.from_numpy(np.stack([slots, positions])), self.device)  # [2, B]
+        input_ids = self.sampler.last_tokens[slot_ids]
+        rows = self.cache.batch(slots, slot_ids)
+        # kv_length from the host's counters: no device sync to find the longest row.
+        out = self.model(input_ids[:, None], positions_on_device[:, None], self.cache, rows,
+                         kv_length=int(counters.max()), lora=lora)
+        return out.logits[:, -1]  # [B, V]
+
     # --- postprocess ------------------------------------------------------------------------------
     def _advance_all(self, launched: LaunchedStep, host: np.ndarray, results: StepResults) -> None:
         """Append each sequence's tokens (`host`: the sampler's rows, one per sampled row) and
         report them. The requests a sequence of which ended are added to `launched.ended`."""
-        if launched.rows.facts.per_row:  # drafts, stop token ids, grammars, alternatives
+        if launched.rows.facts.per_row or len(host) < BATCHED_READ_ROWS:  # drafts, stop token ids, grammars, alternatives
             self._advance_each(launched, host.tolist(), results)
+            if launched.rows.drafted:  # the slot table learns the lengths the drafts left
+                for _, seq in launched.rows.sampled:
+                    self.slot_rows.set_length(seq)
         else:
             self._advance_batch(launched, host, results)
 
@@ -439,20 +495,18 @@ class EngineCore:
         batch as array operations, Python per row only to append a token to its sequence (and for
         the rows that end)."""
         facts, sampled = launched.rows.facts, launched.rows.sampled
-        columns = [host[:, 0].astype(np.int64), host[:, 1], facts.counters, facts.limit, facts.prompt_length,
-                   facts.eos_ends]
+        tokens, logprobs, counters, table = host[:, 0].astype(np.int64), host[:, 1], facts.counters, facts.table
         request_ids, indexes = facts.request_ids, facts.indexes
         if launched.releases != self.scheduler.releases:  # a sequence ended since launch: one of these?
             alive = [seq.finish_reason is None for _, seq in sampled]
             if not all(alive):
                 keep = np.flatnonzero(alive)
-                columns = [column[keep] for column in columns]
+                tokens, logprobs, counters, table = tokens[keep], logprobs[keep], counters[keep], table[keep]
                 picks = keep.tolist()
                 sampled = [sampled[i] for i in picks]
                 request_ids, indexes = [request_ids[i] for i in picks], [indexes[i] for i in picks]
-        tokens, logprobs, counters, limit, prompt_length, eos_ends = columns
-        eos = (tokens == self.eos_token_id) & eos_ends
-        ends = np.flatnonzero(eos | (counters + 1 >= limit)).tolist()
+        eos = tokens == table[:, EOS]
+        ends = np.flatnonzero(eos | (counters >= table[:, LAST])).tolist()
         token_ids = tokens.tolist()
         for (_, seq), token in zip(sampled, token_ids):
             ids = seq.token_ids
@@ -465,7 +519,7 @@ class EngineCore:
             self.scheduler.release_sequence(seq, reason, state)
             launched.ended.append(state)
         results.tokens.extend(request_ids, indexes, token_ids, logprobs.tolist(), reasons)
-        results.decode_output_tokens += int((counters > prompt_length).sum())  # not a prompt's first token
+        results.decode_output_tokens += int(np.count_nonzero(counters > table[:, PROMPT_LENGTH]))  # not a prompt's first
 
     def _advance_each(self, launched: LaunchedStep, host: list[list[float]], results: StepResults) -> None:
         """Row by row: its draft's tokens that stand, then the model's own."""

@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from model.gpt2 import GPT2
@@ -72,39 +73,44 @@ class StaticDecode:
 
     def run(
         self,
-        slots: list[int],
-        token_ids: list[int],
-        positions: list[int],
-        ahead: list[bool] | None = None,
+        slots: list[int] | np.ndarray,
+        token_ids: list[int] | np.ndarray,
+        positions: list[int] | np.ndarray,
+        ahead: list[bool] | np.ndarray | None = None,
         last_tokens: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits [B, V] for the rows on `slots` (ascending), row b feeding token_ids[b] at
         positions[b]; or, where ahead[b], its slot's entry of `last_tokens` [max_slots] (a
         token the host has not read yet: the core's overlap)."""
-        size = next_size(self.batch_sizes, slots[-1] + 1)
-        bucket = next_size(self.length_buckets, max(positions) + 1)
-        ids, pos, from_device = [0] * size, [self.cache.max_len - 1] * size, [0] * size
-        for slot, token, position in zip(slots, token_ids, positions):
-            ids[slot], pos[slot] = token, position
-        if ahead is not None and any(ahead):
-            for slot, flag in zip(slots, ahead):
-                from_device[slot] = int(flag)
-        packed = slots == list(range(len(slots)))
-        # One copy, made before the forward is queued: [3, size] (+ the rows when not packed).
-        host = to_device([ids, pos, from_device] + ([] if packed else [slots + [0] * (size - len(slots))]), self.cache.device)
-        if any(from_device):
+        slots = np.asarray(slots, dtype=np.int64)
+        count = len(slots)
+        size = next_size(self.batch_sizes, int(slots[-1]) + 1)
+        bucket = next_size(self.length_buckets, int(np.max(positions)) + 1)
+        packed = int(slots[-1]) == count - 1  # ascending and distinct: slots 0..B-1
+        # One copy, made before the forward is queued: [3, size] (+ the rows when not packed):
+        # token ids, positions (padding rows at the last, which no sequence caches), from_device.
+        host = np.zeros((3 if packed else 4, size), dtype=np.int64)
+        host[1] = self.cache.max_len - 1
+        host[0, slots], host[1, slots] = token_ids, positions
+        from_device = ahead is not None and bool(np.any(ahead))
+        if from_device:
+            host[2, slots] = ahead
+        if not packed:
+            host[3, :count] = slots
+        host = to_device(torch.from_numpy(host), self.cache.device)
+        if from_device:
             self.buffers.input_ids[:size, 0].copy_(torch.where(host[2].bool(), last_tokens[:size], host[0]))
         else:
             self.buffers.input_ids[:size, 0].copy_(host[0])
         self.buffers.positions[:size, 0].copy_(host[1])
-        rows = None if packed else host[3, : len(slots)]
+        rows = None if packed else host[3, :count]
         graph = self.graphs.get((size, bucket))
         if graph is not None:
             graph[0].replay()
             logits = graph[1]  # [size, V]
         else:
             logits = self._forward(size, bucket)
-        return logits[: len(slots)] if rows is None else logits[rows]  # [B, V]
+        return logits[:count] if rows is None else logits[rows]  # [B, V]
 
     def _forward(self, size: int, bucket: int) -> torch.Tensor:
         out = self.model(

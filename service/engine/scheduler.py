@@ -89,6 +89,9 @@ class RequestState:
     reported: bool = False  # its RequestDone was sent: nothing more is said about it
     adapter: int = BASE  # its LoRA adapter's index (set at submission, from the request's name)
 
+    def __post_init__(self) -> None:
+        self.prompt_length = len(self.request.prompt_ids)
+
     @property
     def params(self) -> SamplingParams:
         return self.request.params
@@ -110,7 +113,7 @@ class RequestState:
 
     @property
     def prefilling(self) -> bool:
-        return self.prefilled < len(self.request.prompt_ids)
+        return self.prefilled < self.prompt_length
 
     @property
     def exhausted(self) -> bool:
@@ -271,7 +274,9 @@ class Scheduler:
         return bool(self.running) or self._waiting_count > 0 or bool(self._cancel)
 
     # --- stepping side --------------------------------------------------------------------------
-    def schedule(self, now: float) -> StepPlan:
+    def schedule(self, now: float, in_flight: bool = False) -> StepPlan:
+        """`in_flight`: a step's tokens are still unread (the core's overlap): a sequence may have
+        drawn its last token already."""
         with self._lock:
             cancel, self._cancel = self._cancel, set()
             cancelled = self._drop_waiting(lambda state: state.request.request_id in cancel)
@@ -285,14 +290,16 @@ class Scheduler:
         budget = PrefillBudget(self.max_prefill_tokens)
         # Prompts already admitted go on first, in admission order; then new ones while slots
         # and the budget allow.
-        chunks, decode = [], []
-        for state in kept:
-            prompt_length = len(state.request.prompt_ids)
-            if state.prefilled >= prompt_length:
-                if not state.exhausted:  # a row more would draw past max_new_tokens
-                    decode.append(state)
-            elif size := budget.take(prompt_length - state.prefilled):
-                chunks.append(PrefillChunk(state, state.prefilled, state.prefilled + size))
+        chunks = []
+        # Comprehensions over every running request, the rest over the few prefilling ones.
+        if in_flight:  # a row more would draw past max_new_tokens
+            decode = [state for state in kept if state.prefilled >= state.prompt_length and not state.exhausted]
+        else:
+            decode = [state for state in kept if state.prefilled >= state.prompt_length]
+        if len(decode) < len(kept):
+            for state in [state for state in kept if state.prefilled < state.prompt_length]:
+                if size := budget.take(state.prompt_length - state.prefilled):
+                    chunks.append(PrefillChunk(state, state.prefilled, state.prefilled + size))
         pending: list[tuple[Sequence, Sequence, int]] = []  # (source, destination, length)
         admitted = self._admit(now, budget, chunks, pending)
         moves = self._pack()

@@ -49,6 +49,12 @@ def uses_warpers(p: SamplingParams) -> bool:
     return p.do_sample and (p.min_p > 0.0 or p.typical_p < 1.0)
 
 
+def uses_none(p: SamplingParams) -> bool:
+    """A request whose rows of these tables, at their neutral values, change nothing: no control,
+    min_p and typical_p off (whether or not it samples)."""
+    return not (uses_bias(p) or uses_counts(p) or uses_history(p) or uses_min_new(p)) and p.min_p == 0.0 and p.typical_p == 1.0
+
+
 class SlotControls:
     def __init__(self, max_slots: int, vocab_size: int, max_len: int, eos_token_id: int, device: torch.device) -> None:
         self.vocab_size = vocab_size
@@ -63,8 +69,15 @@ class SlotControls:
         self._history = torch.zeros(max_slots, max_len, dtype=torch.long, device=device)  # [slots, L]
         self._bad = torch.full((max_slots, MAX_BAD_WORDS, MAX_BAD_WORD_TOKENS), NO_TOKEN, dtype=torch.long, device=device)
         self._tables = (self._floats, self._ints, self._bias, self._counts, self._stop, self._history, self._bad)
+        # Per slot: its rows hold no control's values (what a request using none needs, so most
+        # admissions write nothing here).
+        self._neutral = [True] * max_slots
 
     def write(self, slot: int, p: SamplingParams, prompt_ids: list[int]) -> None:
+        neutral = uses_none(p)
+        if neutral and self._neutral[slot]:
+            return
+        self._neutral[slot] = neutral
         self._floats[slot] = to_device([p.presence_penalty, p.frequency_penalty, p.min_p, p.typical_p], self.device, torch.float32)
         self._ints[slot] = to_device([len(prompt_ids), p.min_new_tokens, p.no_repeat_ngram_size], self.device, self._ints.dtype)
         # Bias and bad words are gathered for every row of a batch where any row uses them, so a
@@ -91,6 +104,7 @@ class SlotControls:
     def move(self, src: int, dst: int) -> None:
         for table in self._tables:
             table[dst] = table[src]
+        self._neutral[dst] = self._neutral[src]
 
     def gather(self, slots: torch.Tensor | slice, counters: torch.Tensor, features: RowFeatures) -> Controls | None:
         """Controls of the rows using `slots` [B] (or a slice of the first B: views) holding

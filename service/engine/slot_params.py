@@ -27,9 +27,16 @@ class SlotParams:
         # Tokens of the prompt and output so far, for the repetition penalty. Kept up to date
         # only while the slot's sequence has a penalty (the flag in SamplingTensors).
         self._seen = torch.zeros(max_slots, vocab_size, dtype=torch.bool, device=device)
+        # Per slot: its rows hold greedy decoding's values, known once written (then the admissions
+        # that decode greedily without a penalty, the most common, write nothing).
+        self._greedy = [False] * max_slots
 
     def write(self, slot: int, params: SamplingParams, prompt_ids: list[int], seed: int = 0) -> None:
         """`seed`: the sequence's own sampling seed, in [0, 2^63)."""
+        greedy = not params.do_sample and params.repetition_penalty == 1.0
+        if greedy and self._greedy[slot]:
+            return
+        self._greedy[slot] = greedy
         sampling = params.do_sample
         row = [params.temperature if sampling else 1.0, params.top_p if sampling else 1.0,
                params.repetition_penalty, float(sampling)]
@@ -46,6 +53,7 @@ class SlotParams:
         self._top_k[dst] = self._top_k[src]
         self._seed[dst] = self._seed[src]
         self._seen[dst] = self._seen[src]
+        self._greedy[dst] = self._greedy[src]
 
     def gather(self, slots: torch.Tensor | slice, features: RowFeatures) -> SamplingTensors:
         """The parameters of rows using `slots` [B] (or slots 0..B-1 as a slice: views, no copy);

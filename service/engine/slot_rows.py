@@ -8,11 +8,15 @@ with a few array operations over the batch, not Python per row.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from service.engine.slot_controls import uses_bias, uses_counts, uses_history, uses_min_new, uses_warpers
 from service.engine.types import SamplingParams
+
+if TYPE_CHECKING:
+    from service.engine.scheduler import RequestState, Sequence
 
 
 def features_of(p: SamplingParams) -> tuple[bool, ...]:
@@ -54,21 +58,28 @@ class RowFeatures:
 
 
 FEATURES = len(RowFeatures.__dataclass_fields__) - 2  # the flags, before max_ngram and top_logprobs
+HISTORY_BIT = 1 << list(RowFeatures.__dataclass_fields__).index("history")
+PER_ROW_BIT = 1 << FEATURES  # the row needs Python of its own when its token is read
 NO_FEATURES = RowFeatures(*[False] * FEATURES)
+# Columns of the table.
+# LAST: the counter of its last draw (max_new_tokens reached with it); EOS: the token that ends it
+# (-1 with ignore_eos).
+# LENGTH: the counter of its next draw, len(token_ids) + pending (the core keeps it: _launch,
+# _advance_each).
+LAST, PROMPT_LENGTH, EOS, BITS, NGRAM, TOP_LOGPROBS, LENGTH = range(7)
 
 
 @dataclass
 class RowFacts:
-    """A step's sampled rows, gathered from the slot tables at launch (the slots may be reused or
+    """A step's sampled rows, gathered from the slot table at launch (the slots may be reused or
     moved before the step's tokens are read)."""
 
     features: RowFeatures
     request_ids: list[str]
     indexes: list[int]  # sequence index within the request
+    slots: np.ndarray  # [B] the rows' slots
     counters: np.ndarray  # [B] tokens the row's sequence holds when its token is drawn
-    limit: np.ndarray  # [B] token count at which the sequence ends by length
-    prompt_length: np.ndarray  # [B]
-    eos_ends: np.ndarray  # [B] EOS ends it (not ignore_eos)
+    table: np.ndarray  # [B, 7] their rows of the slot table (a copy): LAST, PROMPT_LENGTH, EOS...
     # Some row needs Python of its own when its token is read (stop token ids, a draft, a grammar,
     # alternatives): the step's tokens take the per-row path.
     per_row: bool
@@ -76,53 +87,71 @@ class RowFacts:
 
 class SlotRows:
     def __init__(self, max_slots: int) -> None:
-        self.features = np.zeros(max_slots, dtype=np.int64)  # bit i: features_of(params)[i]
-        self.ngram = np.zeros(max_slots, dtype=np.int64)
-        self.top_logprobs = np.zeros(max_slots, dtype=np.int64)
-        self.limit = np.zeros(max_slots, dtype=np.int64)
-        self.prompt_length = np.zeros(max_slots, dtype=np.int64)
-        self.eos_ends = np.zeros(max_slots, dtype=bool)
-        self.per_row = np.zeros(max_slots, dtype=bool)
+        self.table = np.zeros((max_slots, 7), dtype=np.int64)  # [slots, 7]
+        # Who holds each slot (stale once it ends: read only for the slots of running sequences).
+        self.seq: list[Sequence | None] = [None] * max_slots
+        self.state: list[RequestState | None] = [None] * max_slots
         self.request_id = [""] * max_slots
         self.index = [0] * max_slots
-        self._arrays = (self.features, self.ngram, self.top_logprobs, self.limit, self.prompt_length, self.eos_ends,
-                        self.per_row)
+        self._features: dict[tuple[int, int, int], RowFeatures] = {}  # few distinct ones: made once
 
-    def write(self, slot: int, request_id: str, index: int, params: SamplingParams, prompt_length: int,
-              per_row: bool) -> None:
-        """`per_row`: its tokens need Python of their own (a drafter, a grammar's matcher)."""
-        self.features[slot] = sum(1 << bit for bit, used in enumerate(features_of(params)) if used)
-        self.ngram[slot] = params.no_repeat_ngram_size
-        self.top_logprobs[slot] = params.top_logprobs
-        self.limit[slot] = prompt_length + params.max_new_tokens
-        self.prompt_length[slot] = prompt_length
-        self.eos_ends[slot] = not params.ignore_eos
-        self.per_row[slot] = per_row or bool(params.stop_token_ids) or params.top_logprobs > 0
-        self.request_id[slot] = request_id
-        self.index[slot] = index
+    def write(self, state: RequestState, seq: Sequence, eos: int) -> None:
+        """A sequence starts on its slot."""
+        params, slot = state.params, seq.slot
+        bits = sum(1 << bit for bit, used in enumerate(features_of(params)) if used)
+        if seq.drafter is not None or seq.matcher is not None or params.stop_token_ids or params.top_logprobs > 0:
+            bits |= PER_ROW_BIT
+        prompt_length = seq.prompt_length
+        self.table[slot] = (prompt_length + params.max_new_tokens - 1, prompt_length, -1 if params.ignore_eos else eos, bits,
+                            params.no_repeat_ngram_size, params.top_logprobs, len(seq.token_ids))
+        self.seq[slot], self.state[slot] = seq, state
+        self.request_id[slot] = state.request.request_id
+        self.index[slot] = seq.index
 
     def move(self, src: int, dst: int) -> None:
-        for array in self._arrays:
-            array[dst] = array[src]
-        self.request_id[dst] = self.request_id[src]
-        self.index[dst] = self.index[src]
+        self.table[dst] = self.table[src]
+        for column in (self.seq, self.state, self.request_id, self.index):
+            column[dst] = column[src]
+
+    def decoding(self, in_use: np.ndarray) -> list[int]:
+        """The slots, ascending, whose sequences draw their next token by decoding: in use
+        (`in_use`: the cache's mask), past their prompt (a first token drawn) and not at their last
+        draw already (one the host has not read yet: the core's overlap)."""
+        table = self.table
+        length = table[:, LENGTH]
+        return np.flatnonzero(in_use & (length > table[:, PROMPT_LENGTH]) & (length <= table[:, LAST])).tolist()
+
+    def lengths(self, slots: list[int]) -> np.ndarray:
+        """[B] the counters of the next draws on `slots`."""
+        return self.table[slots, LENGTH]
+
+    def drew(self, slots: np.ndarray) -> None:
+        """One token was drawn on each of `slots` (distinct)."""
+        self.table[slots, LENGTH] += 1
+
+    def set_length(self, seq: Sequence) -> None:
+        self.table[seq.slot, LENGTH] = len(seq.token_ids) + seq.pending
 
     def gather(self, slots: list[int], slot_array: np.ndarray, counters: np.ndarray, in_slot_order: bool) -> RowFacts:
         """The facts of rows drawing from `slots` (`slot_array`: the same as an array; slots 0..B-1
         when `in_slot_order`: slices)."""
+        if not slots:
+            return RowFacts(NO_FEATURES, [], [], slot_array, counters, self.table[:0].copy(), False)
         if in_slot_order:
             pick = slice(0, len(slots))
             request_ids, indexes = self.request_id[pick], self.index[pick]
+            table = self.table[pick].copy()  # the slots may be moved or reused before the tokens are read
         else:
-            pick = slot_array
             request_ids, indexes = list(map(self.request_id.__getitem__, slots)), list(map(self.index.__getitem__, slots))
-        if slots:
-            bits = int(np.bitwise_or.reduce(self.features[pick]))
-            features = RowFeatures(*(bool(bits >> bit & 1) for bit in range(FEATURES)),
-                                   max_ngram=int(self.ngram[pick].max()), top_logprobs=int(self.top_logprobs[pick].max()))
-        else:
-            features = NO_FEATURES
-        # Copies: the slots may be moved or given to another sequence before the tokens are read.
-        return RowFacts(features, request_ids, indexes, counters, self.limit[pick].copy(),
-                        self.prompt_length[pick].copy(), self.eos_ends[pick].copy(),
-                        bool(slots) and bool(self.per_row[pick].any()))
+            table = self.table[slot_array]
+        bits = int(np.bitwise_or.reduce(table[:, BITS]))
+        per_row = bool(bits & PER_ROW_BIT)
+        ngram = int(table[:, NGRAM].max()) if bits & HISTORY_BIT else 0
+        top_logprobs = int(table[:, TOP_LOGPROBS].max()) if per_row else 0
+        features = self._features.get((bits, ngram, top_logprobs))
+        if features is None:
+            features = RowFeatures(*(bool(bits >> bit & 1) for bit in range(FEATURES)), max_ngram=ngram,
+                                   top_logprobs=top_logprobs)
+            if len(self._features) < 4096:
+                self._features[bits, ngram, top_logprobs] = features
+        return RowFacts(features, request_ids, indexes, slot_array, counters, table, per_row)

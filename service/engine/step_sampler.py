@@ -45,6 +45,9 @@ class StepRows:
     facts: RowFacts  # the sampled rows' facts from the slot tables (service/engine/slot_rows.py)
     in_slot_order: bool = False
     drafted: bool = False  # a decoding sequence verifies a draft this step
+    # Every decoding row feeds its slot's last sampled token from the device (`last_tokens`) at
+    # the position its counter gives (no beams, drafts or grammars running).
+    from_device: bool = False
 
 
     @property
@@ -63,8 +66,8 @@ class LaunchedStep:
     sampled: torch.Tensor | None  # [B, 2 + 2n] on the host once `ready` has passed
     alternatives: int  # n
     ready: torch.cuda.Event | None  # recorded after the device→host copy (CUDA only)
-    # Read after the next step was launched (overlap): its rows count as pending meanwhile, and
-    # its tokens were left on the device for that next step to feed.
+    # Read after the next step was launched (overlap): its rows count as pending meanwhile (the
+    # next step feeds their tokens from the device).
     deferred: bool = False
     # Requests a sequence of which ended in this step (beams at launch, the rest when read):
     # the only ones that can have finished.
@@ -119,8 +122,9 @@ class StepSampler:
         if params.any_penalty:
             self.slot_params.mark_seen(slots, tokens)
         self.slot_controls.record(params.controls, slots, rows.sample_counters, tokens)
-        if deferred:  # one row per slot (a deferred step has no drafts): the next step's inputs
-            self.last_tokens[read] = tokens
+        # The next step's inputs. (A slot verifying a draft has several rows: its entry is then
+        # any of them, and its sequence feeds the host's tokens.)
+        self.last_tokens[read] = tokens
         columns = [tokens[:, None].double(), logprobs[:, None].double()]
         # Alternatives: as many as the most demanding row asked for; each row keeps its own count.
         n = features.top_logprobs

@@ -7,8 +7,15 @@ from __future__ import annotations
 
 import pytest
 
+import service.engine.core as core_module
 from service.engine.core import EngineConfig, EngineCore
 from tests.engine.conftest import make_request, random_prompt
+
+
+@pytest.fixture(autouse=True)
+def batched_from_one_row(monkeypatch):
+    """These tests' few rows read as a batch too (the core reads small steps row by row)."""
+    monkeypatch.setattr(core_module, "BATCHED_READ_ROWS", 1)
 
 
 def run(model, eos: int, requests: list[dict], overlap: bool, cancel_at: dict[str, int] | None = None):

@@ -128,3 +128,11 @@ def test_a_reused_slot_keeps_nothing_of_its_previous_request(make_engine, hf_mod
     plain, _ = engine.generate([make_request(prompt(2), max_new_tokens=NEW),  # slot 0 again
                                 make_request(prompt(1), max_new_tokens=NEW, **other)])
     assert plain.sequences[0].token_ids == want
+    # The same after a sampled request with warpers and a penalty, beside a sampled one (the
+    # batch samples and warps: the greedy row's parameters must be greedy's again).
+    sampled = {"do_sample": True, "seed": 5, "temperature": 3.0, "top_k": 7, "min_p": 0.2, "repetition_penalty": 1.5}
+    engine = make_engine(max_slots=2)
+    engine.generate([make_request(prompt(2), max_new_tokens=NEW, **sampled)])  # alone: slot 0
+    plain, _ = engine.generate([make_request(prompt(2), max_new_tokens=NEW),  # slot 0 again
+                                make_request(prompt(1), max_new_tokens=NEW, **{**sampled, "typical_p": 0.5})])
+    assert plain.sequences[0].token_ids == want

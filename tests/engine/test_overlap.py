@@ -61,6 +61,16 @@ def run(make_engine, entries, overlap: bool, cancel: dict[str, int] | None = Non
         live = sorted(seq.slot for state in scheduler.running for seq in state.live)
         assert len(live) == engine.cache.slots_used
         assert not engine.cache.packed or live == list(range(len(live)))
+        # The slot table's lengths (the counters of the next draws, read by the batched layout).
+        table = engine.core.slot_rows
+        plain = [state for state in scheduler.running if state.beam is None]
+        for state in plain:
+            for seq in state.live:
+                assert table.lengths([seq.slot])[0] == len(seq.token_ids) + seq.pending
+        # ...and the slots it says decode next: the scheduler's decode batch.
+        if not any(state.beam is not None for state in scheduler.running):
+            decoding = [seq.slot for state in plain if not state.prefilling and not state.exhausted for seq in state.live]
+            assert table.decoding(engine.cache.in_use) == sorted(decoding)
         results.update((f.request_id, outcome(f)) for f in output.finished)
         ahead += engine.core._launched is not None
         if len(results) == len(requests) and not engine.has_work():
