@@ -105,15 +105,11 @@ class KVCache:
             heapq.heappush(self._free, slot)
 
     # --- tensors ----------------------------------------------------------------------------
-    def batch(self, slots: list[int] | np.ndarray, ids: torch.Tensor | None = None) -> SlotBatch:
+    def batch(self, slots: list[int], ids: torch.Tensor | None = None) -> SlotBatch:
         """`ids`: the slots as a tensor on the device already (copied there with other inputs)."""
         if ids is None:
             ids = to_device(slots, self.device)
-        if isinstance(slots, np.ndarray):
-            consecutive = bool((np.diff(slots) == 1).all())
-            slots = slots[:1].tolist() + slots[-1:].tolist()  # the span's ends
-        else:
-            consecutive = all(b == a + 1 for a, b in zip(slots, slots[1:]))
+        consecutive = all(b == a + 1 for a, b in zip(slots, slots[1:]))
         span = slice(slots[0], slots[-1] + 1) if slots and consecutive else None
         return SlotBatch(ids=ids, span=span)
 

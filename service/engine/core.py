@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from model.gpt2 import GPT2
-from model.kv_cache import KVCache
+from model.kv_cache import KVCache, SlotBatch
 from model.transfer import to_device
 from service.engine.adapters import ServedAdapters
 from service.engine.beams import advance_beams, beam_results, start_beam_search
@@ -54,9 +54,10 @@ log = logging.getLogger(__name__)
 # Spreads the seeds of a request's several sampled sequences (2^64 / golden ratio).
 SEED_STRIDE = 0x9E3779B97F4A7C15
 SEED_MODULUS = 2**63  # seeds are int64 tensors on the device
-# From this many rows a step's tokens are read as a batch (_advance_batch): below it numpy's cost
-# per operation (~1 µs, a dozen of them) exceeds Python's per row.
-BATCHED_READ_ROWS = 16
+# From this many running requests a step is laid out and read as a batch (_layout_batch,
+# _advance_batch): below it numpy's and torch's fixed cost per operation (a few µs, some dozen
+# of them) exceeds Python's per row.
+BATCHED_ROWS = 16
 
 
 @dataclass(frozen=True)
@@ -321,10 +322,13 @@ class EngineCore:
         # those that do took the next free slots, sampled row b is logits row b and slot b for
         # every b: the read path without gathers. (A prompt admitted into a slot a finished
         # sequence left inside the batch, the usual case under heavy churn, still gathers.)
-        if self.scheduler.host_paced_running:  # beams, drafts or grammars: some rows need their own
-            return self._layout_each(plan)
-        # Every row draws one token from the sampler: who holds each slot and its length come from
-        # the slot table (a persistent batch), and the decode feeds the sampler's last tokens.
+        if self.scheduler.host_paced_running or len(self.scheduler.running) < BATCHED_ROWS:
+            return self._layout_each(plan)  # beams, drafts or grammars: some rows need their own
+        return self._layout_batch(plan)
+
+    def _layout_batch(self, plan: StepPlan) -> StepRows:
+        """Every row draws one token from the sampler: who holds each slot and its length come from
+        the slot table (a persistent batch), and the decode feeds the sampler's last tokens."""
         slot_rows = self.slot_rows
         slots = slot_rows.decoding(self.cache.in_use)  # plan.decode's sequences' slots
         decoding = list(map(slot_rows.seq.__getitem__, slots))
@@ -463,26 +467,29 @@ class EngineCore:
 
     def _decode_batch(self, step_rows: StepRows, lora) -> torch.Tensor:
         """Every decoding row feeds its slot's last sampled token, left on the device by the sampler
-        (`last_tokens`), at the position before its counter: no Python per row."""
-        count = len(step_rows.decoding)  # the first rows sampled: slots ascending
+        (`last_tokens`), at the position before its counter: the layout's index vectors, already
+        on the device, say which (no Python per row, no other copy)."""
+        count = len(step_rows.decoding)  # the first rows sampled
         slots, counters = step_rows.facts.slots[:count], step_rows.facts.counters[:count]
-        positions = counters - 1
         if self.static_decode is not None and lora is None:  # a graph holds no adapter: eager with one
-            return self.static_decode.run(slots, np.zeros(count, dtype=np.int64), positions, np.ones(count, dtype=bool),
-                                          self.sampler.last_tokens)
-        slot_ids, positions_on_device = to_device(torch.from_numpy(np.stack([slots, positions])), self.device)  # [2, B]
-        input_ids = self.sampler.last_tokens[slot_ids]
-        rows = self.cache.batch(slots, slot_ids)
+            return self.static_decode.run(slots, np.zeros(count, dtype=np.int64), counters - 1,
+                                          np.ones(count, dtype=bool), self.sampler.last_tokens)
+        slot_ids = step_rows.sample_slots[:count]
+        first, last = int(slots[0]), int(slots[-1])
+        # Ascending and distinct (the slot table's mask): one span when they are consecutive.
+        rows = SlotBatch(slot_ids, slice(first, last + 1) if last - first == count - 1 else None)
+        last_tokens = self.sampler.last_tokens
+        input_ids = last_tokens[rows.span] if rows.span is not None else last_tokens[slot_ids]
+        positions = step_rows.sample_counters[:count, None] - 1
         # kv_length from the host's counters: no device sync to find the longest row.
-        out = self.model(input_ids[:, None], positions_on_device[:, None], self.cache, rows,
-                         kv_length=int(counters.max()), lora=lora)
+        out = self.model(input_ids[:, None], positions, self.cache, rows, kv_length=int(counters.max()), lora=lora)
         return out.logits[:, -1]  # [B, V]
 
     # --- postprocess ------------------------------------------------------------------------------
     def _advance_all(self, launched: LaunchedStep, host: np.ndarray, results: StepResults) -> None:
         """Append each sequence's tokens (`host`: the sampler's rows, one per sampled row) and
         report them. The requests a sequence of which ended are added to `launched.ended`."""
-        if launched.rows.facts.per_row or len(host) < BATCHED_READ_ROWS:  # drafts, stop token ids, grammars, alternatives
+        if launched.rows.facts.per_row or len(host) < BATCHED_ROWS:  # drafts, stop token ids, grammars, alternatives
             self._advance_each(launched, host.tolist(), results)
             if launched.rows.drafted:  # the slot table learns the lengths the drafts left
                 for _, seq in launched.rows.sampled:

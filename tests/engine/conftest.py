@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import service.engine.core as core_module
 from service.inprocess import Engine, EngineConfig
 from service.engine.types import GenerationRequest, SamplingParams
 from tests.conftest import TINY
@@ -21,6 +22,14 @@ _ids = itertools.count()
 # GPT2_TEST_OVERLAP=1 (or 0) runs every engine these tests make with the core's overlap on (off);
 # unset, the device decides (on for CUDA), as in the server.
 OVERLAP = {"1": True, "0": False}.get(os.environ.get("GPT2_TEST_OVERLAP", ""))
+
+
+@pytest.fixture(autouse=True)
+def batched_from_one_row(monkeypatch):
+    """The core lays out and reads a step as a batch from BATCHED_ROWS running requests (row by
+    row below, where that is cheaper): these tests' small batches take the batched path, which
+    serves every large batch; test_batched_read.py compares it with the row-by-row one."""
+    monkeypatch.setattr(core_module, "BATCHED_ROWS", 1)
 
 
 @pytest.fixture(scope="session")

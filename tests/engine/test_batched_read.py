@@ -1,7 +1,8 @@
-"""The core reads a step whose rows need nothing of their own (no draft, stop token ids, grammar or
-alternatives) as a batch: stops by EOS and length decided over arrays gathered from the per-slot
-tables at launch (service/engine/slot_rows.py). It must give what the row-by-row read gives,
-with overlap on and off, including rows whose sequence ended after their step was launched."""
+"""With no beam, draft or grammar running, the core lays a step out from its slot table (the decode
+rows from one mask, their tokens fed from the device) and, where no row needs its own Python (stop
+token ids, alternatives), reads its tokens as a batch: stops by EOS and length decided over
+arrays gathered at launch (service/engine/slot_rows.py). It must give what the row-by-row paths
+give, with overlap on and off, including rows whose sequence ended after their step launched."""
 
 from __future__ import annotations
 
@@ -12,18 +13,16 @@ from service.engine.core import EngineConfig, EngineCore
 from tests.engine.conftest import make_request, random_prompt
 
 
-@pytest.fixture(autouse=True)
-def batched_from_one_row(monkeypatch):
-    """These tests' few rows read as a batch too (the core reads small steps row by row)."""
-    monkeypatch.setattr(core_module, "BATCHED_READ_ROWS", 1)
-
-
-def run(model, eos: int, requests: list[dict], overlap: bool, cancel_at: dict[str, int] | None = None):
-    """{request id: [(token, log-prob, finish reason or None), ...]} and the steps read as a batch."""
+def run(model, eos: int, requests: list[dict], overlap: bool, cancel_at: dict[str, int] | None = None,
+        batched: bool = True):
+    """{request id: [(token, log-prob, finish reason or None), ...]} and the steps laid out and read
+    as a batch. `batched`: False lays out and reads every step row by row."""
+    core_module.BATCHED_ROWS = 1 if batched else 10**9  # the conftest puts it back
     core = EngineCore(model, eos, EngineConfig(max_slots=4, overlap=overlap))
-    batched = []
-    read_as_batch = core._advance_batch
-    core._advance_batch = lambda *args: (batched.append(1), read_as_batch(*args))[1]
+    calls = []
+    for name in ("_layout_batch", "_advance_batch"):
+        real = getattr(core, name)
+        setattr(core, name, lambda *args, real=real, name=name: (calls.append(name), real(*args))[1])
     # `prompt`: the prompt of an earlier entry (default: its own)
     entries = [dict(params) for params in requests]
     prompts = [entry.pop("prompt", i) for i, entry in enumerate(entries)]
@@ -46,7 +45,7 @@ def run(model, eos: int, requests: list[dict], overlap: bool, cancel_at: dict[st
             core.submit([pending.pop(0)])
         if not pending and not core.has_work():
             assert core.cache.slots_used == 0
-            return out, len(batched)
+            return out, min(calls.count("_layout_batch"), calls.count("_advance_batch"))
     raise AssertionError("the core did not finish")
 
 
@@ -70,11 +69,13 @@ def test_eos_and_length_end_rows_as_one_by_one(tiny_model, eos):
     outcomes = {}
     for overlap in (False, True):
         batch, batched = run(tiny_model, eos, plain, overlap)
-        assert batched > 10  # the batched read ran
-        # A neighbour asking for alternatives sends every step through the row-by-row read.
-        one_by_one, batched_beside = run(tiny_model, eos, plain + [dict(max_new_tokens=30, top_logprobs=2)], overlap)
-        assert batched_beside < batched
-        assert {k: v for k, v in one_by_one.items() if k != "r5"} == batch
+        assert batched > 10  # the batched layout and read ran
+        one_by_one, none = run(tiny_model, eos, plain, overlap, batched=False)
+        assert none == 0
+        assert one_by_one == batch
+        # A neighbour asking for alternatives reads row by row what the batch lays out.
+        beside, _ = run(tiny_model, eos, plain + [dict(max_new_tokens=30, top_logprobs=2)], overlap)
+        assert {k: v for k, v in beside.items() if k != "r5"} == batch
         outcomes[overlap] = batch
     assert outcomes[True] == outcomes[False]
     first = outcomes[False]["r0"]
@@ -88,7 +89,7 @@ def test_a_row_ended_after_its_step_was_launched_gets_nothing(tiny_model, eos):
     read: that row's second token must not reach anyone. The same for a cancelled row."""
     eos, where = eos
     plain = [FIRST, dict(max_new_tokens=12, ignore_eos=True), dict(max_new_tokens=20)]
-    synchronous, _ = run(tiny_model, eos, plain, overlap=False)
+    synchronous, _ = run(tiny_model, eos, plain, overlap=False, batched=False)
     overlapped, batched = run(tiny_model, eos, plain, overlap=True, cancel_at={"r2": 6})
     assert batched > 5
     assert len(synchronous["r0"]) == where + 1
