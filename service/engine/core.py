@@ -222,7 +222,7 @@ class EngineCore:
             for _, seq in rows.sampled:
                 seq.pending += 1
         if not rows.drafted:  # a drafted step's lengths are known once its tokens are read
-            self.slot_rows.drew(rows.facts.slots)
+            self.slot_rows.drew(rows.facts)
         launched.releases = self.scheduler.releases
         return launched
 

@@ -83,6 +83,7 @@ class RowFacts:
     # Some row needs Python of its own when its token is read (stop token ids, a draft, a grammar,
     # alternatives): the step's tokens take the per-row path.
     per_row: bool
+    in_slot_order: bool  # slots are 0..B-1
 
 
 class SlotRows:
@@ -125,9 +126,10 @@ class SlotRows:
         """[B] the counters of the next draws on `slots`."""
         return self.table[slots, LENGTH]
 
-    def drew(self, slots: np.ndarray) -> None:
-        """One token was drawn on each of `slots` (distinct)."""
-        self.table[slots, LENGTH] += 1
+    def drew(self, facts: RowFacts) -> None:
+        """One token was drawn on each of the rows' slots (distinct)."""
+        pick = slice(0, len(facts.slots)) if facts.in_slot_order else facts.slots
+        self.table[pick, LENGTH] += 1
 
     def set_length(self, seq: Sequence) -> None:
         self.table[seq.slot, LENGTH] = len(seq.token_ids) + seq.pending
@@ -136,7 +138,7 @@ class SlotRows:
         """The facts of rows drawing from `slots` (`slot_array`: the same as an array; slots 0..B-1
         when `in_slot_order`: slices)."""
         if not slots:
-            return RowFacts(NO_FEATURES, [], [], slot_array, counters, self.table[:0].copy(), False)
+            return RowFacts(NO_FEATURES, [], [], slot_array, counters, self.table[:0].copy(), False, in_slot_order)
         if in_slot_order:
             pick = slice(0, len(slots))
             request_ids, indexes = self.request_id[pick], self.index[pick]
@@ -154,4 +156,4 @@ class SlotRows:
                                    top_logprobs=top_logprobs)
             if len(self._features) < 4096:
                 self._features[bits, ngram, top_logprobs] = features
-        return RowFacts(features, request_ids, indexes, slot_array, counters, table, per_row)
+        return RowFacts(features, request_ids, indexes, slot_array, counters, table, per_row, in_slot_order)
