@@ -6,6 +6,10 @@
   one device→host copy (each beam-search request adds its own step and copy);
 - postprocess: append token ids, check EOS and length, free finished slots, report one CoreStep.
 
+Where the rows go (layout.py), the sampling (step_sampler.py) and the reading of a step's tokens
+(step_reader.py) are modules of their own; the per-slot table they share (slot_rows.py) is the
+persistent batch.
+
 Token ids only: text, stop strings and response assembly belong to the HTTP side
 (service/http/outputs.py), so the core's per-step Python work is a few list operations per row.
 No HTTP, no asyncio, no IPC here: service/engine/process.py runs it in its own process, and a
@@ -18,7 +22,7 @@ import logging
 import secrets
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -33,20 +37,19 @@ from service.engine.grammar import Grammars
 from service.engine.graphs import StaticDecode
 from service.engine.prompt_scores import add_prompt_scores
 from service.engine.scheduler import PrefillChunk, RequestState, Scheduler, Sequence, StepPlan
-from service.engine.slot_rows import EOS, LAST, PROMPT_LENGTH, SlotRows
-from service.engine.step_sampler import LaunchedStep, StepRows, StepSampler, alternatives
-from service.engine.speculation import kept_length, new_drafter, propose
+from service.engine.layout import StepLayout
+from service.engine.slot_rows import SlotRows
+from service.engine.speculation import new_drafter, propose
+from service.engine.step_reader import StepReader, StepResults
+from service.engine.step_sampler import LaunchedStep, StepRows, StepSampler
 from service.engine.ngram_drafter import NgramSettings
 from service.engine.types import (
     CoreStep,
-    CoreToken,
     GenerationRequest,
     RequestDone,
     RequestFailed,
     RequestStarted,
     StepStats,
-    StepTokens,
-    TopLogprobs,
 )
 
 log = logging.getLogger(__name__)
@@ -54,10 +57,6 @@ log = logging.getLogger(__name__)
 # Spreads the seeds of a request's several sampled sequences (2^64 / golden ratio).
 SEED_STRIDE = 0x9E3779B97F4A7C15
 SEED_MODULUS = 2**63  # seeds are int64 tensors on the device
-# From this many running requests a step is laid out and read as a batch (_layout_batch,
-# _advance_batch): below it numpy's and torch's fixed cost per operation (a few µs, some dozen
-# of them) exceeds Python's per row.
-BATCHED_ROWS = 16
 
 
 @dataclass(frozen=True)
@@ -85,18 +84,6 @@ class EngineConfig:
     overlap: bool | None = None
 
 
-@dataclass
-class StepResults:
-    """What postprocessing collects during one step, before it becomes a CoreStep."""
-
-    tokens: StepTokens = field(default_factory=StepTokens)
-    started: list[RequestStarted] = field(default_factory=list)
-    done: list[RequestDone] = field(default_factory=list)
-    decode_output_tokens: int = 0
-    draft_tokens: int = 0
-    accepted_tokens: int = 0
-
-
 class EngineCore:
     def __init__(
         self,
@@ -122,6 +109,8 @@ class EngineCore:
             self.cache, config.max_waiting, config.max_prefill_tokens, self._start, config.prefix_caching,
             self._grammar_ready,
         )
+        self.layout = StepLayout(self.scheduler, self.slot_rows, self.cache, config.speculative is not None)
+        self.reader = StepReader(self.scheduler, self.slot_rows, eos_token_id)
         self.static_decode = StaticDecode(self.model, self.cache) if config.static_decode else None
         if self.static_decode is not None and self.device.type == "cuda":
             self.static_decode.capture()  # on failure it says why and decodes eagerly
@@ -210,7 +199,7 @@ class EngineCore:
         with torch.inference_mode():
             if self.config.speculative is not None:
                 propose(plan.decode, self.config.speculative, plan.prefill_tokens)
-            rows = self._layout(plan)
+            rows = self.layout.layout(plan)
             logits = self._run(plan, rows)
             launched = self.sampler.launch(logits, rows, completing + plan.decode, completing, deferred)
             for state in launched.active:
@@ -247,7 +236,7 @@ class EngineCore:
             for s in launched.completing
             if not s.reported
         ]
-        self._advance_all(launched, host, results)
+        self.reader.read(launched, host, results)
         # Only requests a sequence of which ended here can be done: no pass over every row.
         finished = [state for state in {id(s): s for s in launched.ended}.values() if state.done and not state.reported]
         if finished:
@@ -309,91 +298,6 @@ class EngineCore:
         self.slot_rows.move(src, dst)
 
     # --- run: forwards and sampling -------------------------------------------------------------
-    def _layout(self, plan: StepPlan) -> StepRows:
-        """Where every sequence's logits will be, decided before any forward is queued.
-
-        Index tensors are built here: on CUDA a host→device copy waits for queued work, so
-        making them after the forwards were launched would stall the host until they finish.
-        """
-        # The decoding sequences' rows first, in slot order (1 + k for one with a draft), then one
-        # row per prompt chunk (a completed prompt's sequences share it; a chunk that leaves part
-        # of its prompt for later samples nothing); the sampled rows in the same order. Once the
-        # running sequences are packed into slots 0..D-1 and no prompt completes this step, or
-        # those that do took the next free slots, sampled row b is logits row b and slot b for
-        # every b: the read path without gathers. (A prompt admitted into a slot a finished
-        # sequence left inside the batch, the usual case under heavy churn, still gathers.)
-        if self.scheduler.host_paced_running or len(self.scheduler.running) < BATCHED_ROWS:
-            return self._layout_each(plan)  # beams, drafts or grammars: some rows need their own
-        return self._layout_batch(plan)
-
-    def _layout_batch(self, plan: StepPlan) -> StepRows:
-        """Every row draws one token from the sampler: who holds each slot and its length come from
-        the slot table (a persistent batch), and the decode feeds the sampler's last tokens."""
-        slot_rows = self.slot_rows
-        slots = slot_rows.decoding(self.cache.in_use)  # plan.decode's sequences' slots
-        decoding = list(map(slot_rows.seq.__getitem__, slots))
-        sampled = list(zip(map(slot_rows.state.__getitem__, slots), decoding))
-        row_of = dict(zip(slots, range(len(slots))))
-        rows = len(slots)
-        for index, chunk in enumerate(plan.prefill):
-            if chunk.completes:
-                row_of.update((seq.slot, rows + index) for seq in chunk.state.sequences)
-        completing = [(state, seq) for state in plan.completing for seq in state.live]
-        if completing:
-            sampled += completing
-            slots = slots + [seq.slot for _, seq in completing]
-        logit_rows = list(range(rows)) + [row_of[seq.slot] for _, seq in completing]
-        host = np.empty((3, len(slots)), dtype=np.int64)  # one host→device copy: [3, B]
-        host[0], host[1], host[2] = logit_rows, slots, slot_rows.lengths(slots)
-        return self._rows(decoding, row_of, sampled, host, slots, logit_rows, drafted=False, from_device=True)
-
-    def _rows(self, decoding: list[Sequence], row_of: dict[int, int], sampled: list, host: np.ndarray, slots: list[int],
-              logit_rows: list[int], drafted: bool, from_device: bool) -> StepRows:
-        """`host`: [3, B] the sampled rows' logits rows, slots and counters."""
-        sample_rows, sample_slots, sample_counters = to_device(torch.from_numpy(host), self.device)  # [B] each
-        in_order = logit_rows == slots == list(range(len(slots)))
-        facts = self.slot_rows.gather(slots, host[1], host[2], in_order)
-        return StepRows(decoding, row_of, sampled, sample_rows, sample_slots, sample_counters, facts, in_order, drafted,
-                        from_device)
-
-    def _layout_each(self, plan: StepPlan) -> StepRows:
-        """The layout row by row, from the sequences themselves."""
-        by_slot = sorted([(seq.slot, state, seq) for state in plan.decode for seq in state.live])  # slots are unique
-        decoding = [seq for _, _, seq in by_slot]
-        sampled = [(state, seq) for _, state, seq in by_slot]
-        if self.scheduler.host_paced_running:  # beams among them, perhaps: they choose their own tokens
-            sampled = [(state, seq) for state, seq in sampled if state.beam is None]
-        drafted = self.config.speculative is not None and any(seq.draft for seq in decoding)
-        if not drafted:
-            # Comprehensions, not a loop of appends: this runs over every row of every step.
-            row_of = dict(zip([seq.slot for seq in decoding], range(len(decoding))))
-            row = len(decoding)
-        else:
-            row_of, row = {}, 0
-            for seq in decoding:
-                row_of[seq.slot] = row
-                row += 1 + len(seq.draft)
-            # Row j of a sequence's 1 + k draws the token at its length + j (its seed's draw there).
-            sampled = [(state, seq) for state, seq in sampled for _ in range(1 + len(seq.draft))]
-        for index, chunk in enumerate(plan.prefill):
-            if chunk.completes:
-                row_of.update((seq.slot, row + index) for seq in chunk.state.sequences)
-        sampled += [(state, seq) for state in plan.completing if state.beam is None for seq in state.live]
-        if not drafted:
-            slots = [seq.slot for _, seq in sampled]
-            logit_rows = [row_of[slot] for slot in slots]
-            counters = [len(seq.token_ids) + seq.pending for _, seq in sampled]
-        else:
-            logit_rows, slots, counters, previous, j = [], [], [], None, 0
-            for _, seq in sampled:
-                j = j + 1 if seq is previous else 0
-                previous = seq
-                logit_rows.append(row_of[seq.slot] + j)
-                slots.append(seq.slot)
-                counters.append(len(seq.token_ids) + j)
-        host = np.array([logit_rows, slots, counters], dtype=np.int64).reshape(3, len(slots))
-        return self._rows(decoding, row_of, sampled, host, slots, logit_rows, drafted, from_device=False)
-
     def _run(self, plan: StepPlan, rows: StepRows) -> torch.Tensor:
         """Logits [rows, V] in the layout of `rows`: decode rows, then prefill rows."""
         # The two forwards touch disjoint cache entries (padded rows write only positions no
@@ -484,107 +388,6 @@ class EngineCore:
         # kv_length from the host's counters: no device sync to find the longest row.
         out = self.model(input_ids[:, None], positions, self.cache, rows, kv_length=int(counters.max()), lora=lora)
         return out.logits[:, -1]  # [B, V]
-
-    # --- postprocess ------------------------------------------------------------------------------
-    def _advance_all(self, launched: LaunchedStep, host: np.ndarray, results: StepResults) -> None:
-        """Append each sequence's tokens (`host`: the sampler's rows, one per sampled row) and
-        report them. The requests a sequence of which ended are added to `launched.ended`."""
-        if launched.rows.facts.per_row or len(host) < BATCHED_ROWS:  # drafts, stop token ids, grammars, alternatives
-            self._advance_each(launched, host.tolist(), results)
-            if launched.rows.drafted:  # the slot table learns the lengths the drafts left
-                for _, seq in launched.rows.sampled:
-                    self.slot_rows.set_length(seq)
-        else:
-            self._advance_batch(launched, host, results)
-
-    def _advance_batch(self, launched: LaunchedStep, host: np.ndarray, results: StepResults) -> None:
-        """Every row one token with no per-row stop but EOS and length: the stops of the whole
-        batch as array operations, Python per row only to append a token to its sequence (and for
-        the rows that end)."""
-        facts, sampled = launched.rows.facts, launched.rows.sampled
-        tokens, logprobs, counters, table = host[:, 0].astype(np.int64), host[:, 1], facts.counters, facts.table
-        request_ids, indexes = facts.request_ids, facts.indexes
-        if launched.releases != self.scheduler.releases:  # a sequence ended since launch: one of these?
-            alive = [seq.finish_reason is None for _, seq in sampled]
-            if not all(alive):
-                keep = np.flatnonzero(alive)
-                tokens, logprobs, counters, table = tokens[keep], logprobs[keep], counters[keep], table[keep]
-                picks = keep.tolist()
-                sampled = [sampled[i] for i in picks]
-                request_ids, indexes = [request_ids[i] for i in picks], [indexes[i] for i in picks]
-        eos = tokens == table[:, EOS]
-        ends = np.flatnonzero(eos | (counters >= table[:, LAST])).tolist()
-        token_ids = tokens.tolist()
-        for (_, seq), token in zip(sampled, token_ids):
-            ids = seq.token_ids
-            ids.append(token)
-            seq.cached = len(ids) - 1  # the forward that chose it wrote every earlier token
-        reasons = {}
-        for i in ends:
-            state, seq = sampled[i]
-            reasons[i] = reason = "eos_token" if eos[i] else "length"
-            self.scheduler.release_sequence(seq, reason, state)
-            launched.ended.append(state)
-        results.tokens.extend(request_ids, indexes, token_ids, logprobs.tolist(), reasons)
-        results.decode_output_tokens += int(np.count_nonzero(counters > table[:, PROMPT_LENGTH]))  # not a prompt's first
-
-    def _advance_each(self, launched: LaunchedStep, host: list[list[float]], results: StepResults) -> None:
-        """Row by row: its draft's tokens that stand, then the model's own."""
-        sampled, n, ended = launched.rows.sampled, launched.alternatives, launched.ended
-        start = 0
-        while start < len(sampled):
-            state, seq = sampled[start]
-            if seq.finish_reason is not None:  # ended (or cancelled) since its step was launched
-                start += 1
-                continue
-            if not seq.draft and seq.drafter is None:  # one token, no draft to judge
-                row = host[start]
-                token = self._advance(state, seq, row, alternatives(row, n, state.params.top_logprobs) if n else None)
-                results.tokens.append(token)
-                if token[4] is not None:  # its finish reason
-                    ended.append(state)
-                results.decode_output_tokens += len(seq.token_ids) - 1 > seq.prompt_length
-                start += 1
-                continue
-            end = start + 1 + len(seq.draft)
-            draft, decoding = seq.draft, len(seq.token_ids) > seq.prompt_length
-            keep = kept_length([int(row[0]) for row in host[start:end]], draft)
-            emitted = 0
-            for row in host[start : start + keep]:
-                top = alternatives(row, n, state.params.top_logprobs) if n else None
-                results.tokens.append(self._advance(state, seq, row, top))
-                emitted += 1
-                if seq.finish_reason is not None:
-                    ended.append(state)
-                    break
-            if decoding:
-                results.decode_output_tokens += emitted
-                results.draft_tokens += len(draft)
-                results.accepted_tokens += emitted - 1
-                if seq.drafter is not None:
-                    seq.acceptance.record(len(draft), keep - 1)
-            seq.draft = []
-            start = end
-
-    def _advance(self, state: RequestState, seq: Sequence, row: list[float], top: TopLogprobs | None) -> CoreToken:
-        """Append the token of a sampler's row (`row`: [token, log-prob, ...]) and check its stops."""
-        token = int(row[0])
-        seq.token_ids.append(token)
-        seq.cached = len(seq.token_ids) - 1  # the forward that chose it wrote every earlier token
-        params = state.request.params
-        if seq.matcher is not None:
-            seq.matcher.consume_token(token)
-        if (token == self.eos_token_id and not params.ignore_eos) or token in params.stop_token_ids:
-            reason = "eos_token"
-        elif seq.matcher is not None and seq.matcher.is_stopped():
-            reason = "eos_token"  # the grammar is complete and allows nothing more: EOS is all it could add
-        elif len(seq.token_ids) - seq.prompt_length >= params.max_new_tokens:
-            reason = "length"
-        else:
-            reason = None
-        if reason is not None:
-            self.scheduler.release_sequence(seq, reason, state)
-        return (state.request.request_id, seq.index, token, row[1], reason, top)
 
     def _finish(self, state: RequestState) -> RequestDone:
         state.reported = True

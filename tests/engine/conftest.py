@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import service.engine.core as core_module
+import service.engine.layout as layout_module
 from service.inprocess import Engine, EngineConfig
 from service.engine.types import GenerationRequest, SamplingParams
 from tests.conftest import TINY
@@ -29,7 +29,7 @@ def batched_from_one_row(monkeypatch):
     """The core lays out and reads a step as a batch from BATCHED_ROWS running requests (row by
     row below, where that is cheaper): these tests' small batches take the batched path, which
     serves every large batch; test_batched_read.py compares it with the row-by-row one."""
-    monkeypatch.setattr(core_module, "BATCHED_ROWS", 1)
+    monkeypatch.setattr(layout_module, "BATCHED_ROWS", 1)
 
 
 @pytest.fixture(scope="session")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-import service.engine.core as core_module
+import service.engine.layout as layout_module
 from service.engine.core import EngineConfig, EngineCore
 from tests.engine.conftest import make_request, random_prompt
 
@@ -17,12 +17,12 @@ def run(model, eos: int, requests: list[dict], overlap: bool, cancel_at: dict[st
         batched: bool = True):
     """{request id: [(token, log-prob, finish reason or None), ...]} and the steps laid out and read
     as a batch. `batched`: False lays out and reads every step row by row."""
-    core_module.BATCHED_ROWS = 1 if batched else 10**9  # the conftest puts it back
+    layout_module.BATCHED_ROWS = 1 if batched else 10**9  # the conftest puts it back
     core = EngineCore(model, eos, EngineConfig(max_slots=4, overlap=overlap))
     calls = []
-    for name in ("_layout_batch", "_advance_batch"):
-        real = getattr(core, name)
-        setattr(core, name, lambda *args, real=real, name=name: (calls.append(name), real(*args))[1])
+    for part in (core.layout, core.reader):
+        real = part._batch
+        part._batch = lambda *args, real=real, part=part: (calls.append(part), real(*args))[1]
     # `prompt`: the prompt of an earlier entry (default: its own)
     entries = [dict(params) for params in requests]
     prompts = [entry.pop("prompt", i) for i, entry in enumerate(entries)]
@@ -45,7 +45,7 @@ def run(model, eos: int, requests: list[dict], overlap: bool, cancel_at: dict[st
             core.submit([pending.pop(0)])
         if not pending and not core.has_work():
             assert core.cache.slots_used == 0
-            return out, min(calls.count("_layout_batch"), calls.count("_advance_batch"))
+            return out, min(calls.count(core.layout), calls.count(core.reader))
     raise AssertionError("the core did not finish")
 
 

@@ -1,0 +1,116 @@
+"""Where a step's rows go: which sequences decode, in which rows of the logits, which rows the
+sampler draws for, and the index vectors the device needs, all decided before any forward is
+queued (on CUDA a host→device copy waits for queued work, so making them after the forwards were
+launched would stall the host until they finish).
+
+Two ways to the same layout: from the slot table (service/engine/slot_rows.py, a persistent
+batch) when every row draws one token from the sampler and enough run for array operations to
+pay; row by row from the sequences otherwise (beams, drafts, grammars, few rows).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from model.kv_cache import KVCache
+from model.transfer import to_device
+from service.engine.scheduler import Scheduler, Sequence, StepPlan
+from service.engine.slot_rows import SlotRows
+from service.engine.step_sampler import StepRows
+
+# From this many running requests a step is laid out from the slot table and its tokens read as
+# a batch (service/engine/step_reader.py): below it numpy's and torch's fixed cost per operation
+# (a few µs, some dozen of them) exceeds Python's per row.
+BATCHED_ROWS = 16
+
+
+class StepLayout:
+    def __init__(self, scheduler: Scheduler, slot_rows: SlotRows, cache: KVCache, speculative: bool) -> None:
+        """`speculative`: sequences may verify drafts."""
+        self.scheduler = scheduler
+        self.slot_rows = slot_rows
+        self.cache = cache
+        self.device = cache.device
+        self.speculative = speculative
+
+    def layout(self, plan: StepPlan) -> StepRows:
+        """Where every sequence's logits will be, and the index vectors on the device."""
+        # The decoding sequences' rows first, in slot order (1 + k for one with a draft), then one
+        # row per prompt chunk (a completed prompt's sequences share it; a chunk that leaves part
+        # of its prompt for later samples nothing); the sampled rows in the same order. Once the
+        # running sequences are packed into slots 0..D-1 and no prompt completes this step, or
+        # those that do took the next free slots, sampled row b is logits row b and slot b for
+        # every b: the read path without gathers. (A prompt admitted into a slot a finished
+        # sequence left inside the batch, the usual case under heavy churn, still gathers.)
+        if self.scheduler.host_paced_running or len(self.scheduler.running) < BATCHED_ROWS:
+            return self._each(plan)  # beams, drafts or grammars (some rows need their own), or few rows
+        return self._batch(plan)
+
+    def _batch(self, plan: StepPlan) -> StepRows:
+        """Every row draws one token from the sampler: who holds each slot and its length come from
+        the slot table (a persistent batch), and the decode feeds the sampler's last tokens."""
+        slot_rows = self.slot_rows
+        slots = slot_rows.decoding(self.cache.in_use)  # plan.decode's sequences' slots
+        decoding = list(map(slot_rows.seq.__getitem__, slots))
+        sampled = list(zip(map(slot_rows.state.__getitem__, slots), decoding))
+        row_of = dict(zip(slots, range(len(slots))))
+        rows = len(slots)
+        for index, chunk in enumerate(plan.prefill):
+            if chunk.completes:
+                row_of.update((seq.slot, rows + index) for seq in chunk.state.sequences)
+        completing = [(state, seq) for state in plan.completing for seq in state.live]
+        if completing:
+            sampled += completing
+            slots = slots + [seq.slot for _, seq in completing]
+        logit_rows = list(range(rows)) + [row_of[seq.slot] for _, seq in completing]
+        host = np.empty((3, len(slots)), dtype=np.int64)  # one host→device copy: [3, B]
+        host[0], host[1], host[2] = logit_rows, slots, slot_rows.lengths(slots)
+        return self._rows(decoding, row_of, sampled, host, slots, logit_rows, drafted=False, from_device=True)
+
+    def _rows(self, decoding: list[Sequence], row_of: dict[int, int], sampled: list, host: np.ndarray, slots: list[int],
+              logit_rows: list[int], drafted: bool, from_device: bool) -> StepRows:
+        """`host`: [3, B] the sampled rows' logits rows, slots and counters."""
+        sample_rows, sample_slots, sample_counters = to_device(torch.from_numpy(host), self.device)  # [B] each
+        in_order = logit_rows == slots == list(range(len(slots)))
+        facts = self.slot_rows.gather(slots, host[1], host[2], in_order)
+        return StepRows(decoding, row_of, sampled, sample_rows, sample_slots, sample_counters, facts, in_order, drafted,
+                        from_device)
+
+    def _each(self, plan: StepPlan) -> StepRows:
+        """The layout row by row, from the sequences themselves."""
+        by_slot = sorted([(seq.slot, state, seq) for state in plan.decode for seq in state.live])  # slots are unique
+        decoding = [seq for _, _, seq in by_slot]
+        sampled = [(state, seq) for _, state, seq in by_slot]
+        if self.scheduler.host_paced_running:  # beams among them, perhaps: they choose their own tokens
+            sampled = [(state, seq) for state, seq in sampled if state.beam is None]
+        drafted = self.speculative and any(seq.draft for seq in decoding)
+        if not drafted:
+            # Comprehensions, not a loop of appends: this runs over every row of every step.
+            row_of = dict(zip([seq.slot for seq in decoding], range(len(decoding))))
+            row = len(decoding)
+        else:
+            row_of, row = {}, 0
+            for seq in decoding:
+                row_of[seq.slot] = row
+                row += 1 + len(seq.draft)
+            # Row j of a sequence's 1 + k draws the token at its length + j (its seed's draw there).
+            sampled = [(state, seq) for state, seq in sampled for _ in range(1 + len(seq.draft))]
+        for index, chunk in enumerate(plan.prefill):
+            if chunk.completes:
+                row_of.update((seq.slot, row + index) for seq in chunk.state.sequences)
+        sampled += [(state, seq) for state in plan.completing if state.beam is None for seq in state.live]
+        if not drafted:
+            slots = [seq.slot for _, seq in sampled]
+            logit_rows = [row_of[slot] for slot in slots]
+            counters = [len(seq.token_ids) + seq.pending for _, seq in sampled]
+        else:
+            logit_rows, slots, counters, previous, j = [], [], [], None, 0
+            for _, seq in sampled:
+                j = j + 1 if seq is previous else 0
+                previous = seq
+                logit_rows.append(row_of[seq.slot] + j)
+                slots.append(seq.slot)
+                counters.append(len(seq.token_ids) + j)
+        host = np.array([logit_rows, slots, counters], dtype=np.int64).reshape(3, len(slots))
+        return self._rows(decoding, row_of, sampled, host, slots, logit_rows, drafted, from_device=False)

@@ -1,0 +1,140 @@
+"""Reading a launched step's tokens on the host: each appended to its sequence, EOS, stop ids,
+a grammar's end and length checked, drafts judged, ended sequences' slots freed, and the step's
+tokens collected (as columns, StepTokens) for the HTTP side.
+
+A step laid out from the slot table whose rows need no Python of their own is read as a batch:
+its stops are array comparisons against the rows' table entries gathered at launch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from service.engine.scheduler import RequestState, Scheduler, Sequence
+from service.engine.slot_rows import EOS, LAST, PROMPT_LENGTH, SlotRows
+from service.engine.speculation import kept_length
+from service.engine.step_sampler import LaunchedStep, alternatives
+from service.engine.types import CoreToken, RequestDone, RequestStarted, StepTokens, TopLogprobs
+
+
+@dataclass
+class StepResults:
+    """What postprocessing collects during one step, before it becomes a CoreStep."""
+
+    tokens: StepTokens = field(default_factory=StepTokens)
+    started: list[RequestStarted] = field(default_factory=list)
+    done: list[RequestDone] = field(default_factory=list)
+    decode_output_tokens: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+
+
+class StepReader:
+    def __init__(self, scheduler: Scheduler, slot_rows: SlotRows, eos_token_id: int) -> None:
+        self.scheduler = scheduler
+        self.slot_rows = slot_rows
+        self.eos_token_id = eos_token_id
+
+    def read(self, launched: LaunchedStep, host: np.ndarray, results: StepResults) -> None:
+        """Append each sequence's tokens (`host`: the sampler's rows, one per sampled row) and
+        report them. The requests a sequence of which ended are added to `launched.ended`."""
+        # Row by row where the layout was (beams, drafts, grammars, few rows) or a row needs it
+        # (stop token ids, alternatives).
+        if launched.rows.facts.per_row or not launched.rows.from_device:
+            self._each(launched, host.tolist(), results)
+            if launched.rows.drafted:  # the slot table learns the lengths the drafts left
+                for _, seq in launched.rows.sampled:
+                    self.slot_rows.set_length(seq)
+        else:
+            self._batch(launched, host, results)
+
+    def _batch(self, launched: LaunchedStep, host: np.ndarray, results: StepResults) -> None:
+        """Every row one token with no per-row stop but EOS and length: the stops of the whole
+        batch as array operations, Python per row only to append a token to its sequence (and for
+        the rows that end)."""
+        facts, sampled = launched.rows.facts, launched.rows.sampled
+        tokens, logprobs, counters, table = host[:, 0].astype(np.int64), host[:, 1], facts.counters, facts.table
+        request_ids, indexes = facts.request_ids, facts.indexes
+        if launched.releases != self.scheduler.releases:  # a sequence ended since launch: one of these?
+            alive = [seq.finish_reason is None for _, seq in sampled]
+            if not all(alive):
+                keep = np.flatnonzero(alive)
+                tokens, logprobs, counters, table = tokens[keep], logprobs[keep], counters[keep], table[keep]
+                picks = keep.tolist()
+                sampled = [sampled[i] for i in picks]
+                request_ids, indexes = [request_ids[i] for i in picks], [indexes[i] for i in picks]
+        eos = tokens == table[:, EOS]
+        ends = np.flatnonzero(eos | (counters >= table[:, LAST])).tolist()
+        token_ids = tokens.tolist()
+        for (_, seq), token in zip(sampled, token_ids):
+            ids = seq.token_ids
+            ids.append(token)
+            seq.cached = len(ids) - 1  # the forward that chose it wrote every earlier token
+        reasons = {}
+        for i in ends:
+            state, seq = sampled[i]
+            reasons[i] = reason = "eos_token" if eos[i] else "length"
+            self.scheduler.release_sequence(seq, reason, state)
+            launched.ended.append(state)
+        results.tokens.extend(request_ids, indexes, token_ids, logprobs.tolist(), reasons)
+        results.decode_output_tokens += int(np.count_nonzero(counters > table[:, PROMPT_LENGTH]))  # not a prompt's first
+
+    def _each(self, launched: LaunchedStep, host: list[list[float]], results: StepResults) -> None:
+        """Row by row: its draft's tokens that stand, then the model's own."""
+        sampled, n, ended = launched.rows.sampled, launched.alternatives, launched.ended
+        start = 0
+        while start < len(sampled):
+            state, seq = sampled[start]
+            if seq.finish_reason is not None:  # ended (or cancelled) since its step was launched
+                start += 1
+                continue
+            if not seq.draft and seq.drafter is None:  # one token, no draft to judge
+                row = host[start]
+                token = self._advance(state, seq, row, alternatives(row, n, state.params.top_logprobs) if n else None)
+                results.tokens.append(token)
+                if token[4] is not None:  # its finish reason
+                    ended.append(state)
+                results.decode_output_tokens += len(seq.token_ids) - 1 > seq.prompt_length
+                start += 1
+                continue
+            end = start + 1 + len(seq.draft)
+            draft, decoding = seq.draft, len(seq.token_ids) > seq.prompt_length
+            keep = kept_length([int(row[0]) for row in host[start:end]], draft)
+            emitted = 0
+            for row in host[start : start + keep]:
+                top = alternatives(row, n, state.params.top_logprobs) if n else None
+                results.tokens.append(self._advance(state, seq, row, top))
+                emitted += 1
+                if seq.finish_reason is not None:
+                    ended.append(state)
+                    break
+            if decoding:
+                results.decode_output_tokens += emitted
+                results.draft_tokens += len(draft)
+                results.accepted_tokens += emitted - 1
+                if seq.drafter is not None:
+                    seq.acceptance.record(len(draft), keep - 1)
+            seq.draft = []
+            start = end
+
+    def _advance(self, state: RequestState, seq: Sequence, row: list[float], top: TopLogprobs | None) -> CoreToken:
+        """Append the token of a sampler's row (`row`: [token, log-prob, ...]) and check its stops."""
+        token = int(row[0])
+        seq.token_ids.append(token)
+        seq.cached = len(seq.token_ids) - 1  # the forward that chose it wrote every earlier token
+        params = state.request.params
+        if seq.matcher is not None:
+            seq.matcher.consume_token(token)
+        if (token == self.eos_token_id and not params.ignore_eos) or token in params.stop_token_ids:
+            reason = "eos_token"
+        elif seq.matcher is not None and seq.matcher.is_stopped():
+            reason = "eos_token"  # the grammar is complete and allows nothing more: EOS is all it could add
+        elif len(seq.token_ids) - seq.prompt_length >= params.max_new_tokens:
+            reason = "length"
+        else:
+            reason = None
+        if reason is not None:
+            self.scheduler.release_sequence(seq, reason, state)
+        return (state.request.request_id, seq.index, token, row[1], reason, top)
