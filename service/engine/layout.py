@@ -73,7 +73,8 @@ class StepLayout:
         """`host`: [3, B] the sampled rows' logits rows, slots and counters."""
         sample_rows, sample_slots, sample_counters = to_device(torch.from_numpy(host), self.device)  # [B] each
         in_order = logit_rows == slots == list(range(len(slots)))
-        facts = self.slot_rows.gather(slots, host[1], host[2], in_order)
+        gather = self.slot_rows.gather if from_device else self.slot_rows.gather_features  # read as a batch or not
+        facts = gather(slots, host[1], host[2], in_order)
         return StepRows(decoding, row_of, sampled, sample_rows, sample_slots, sample_counters, facts, in_order, drafted,
                         from_device)
 

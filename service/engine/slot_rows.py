@@ -79,7 +79,9 @@ class RowFacts:
     indexes: list[int]  # sequence index within the request
     slots: np.ndarray  # [B] the rows' slots
     counters: np.ndarray  # [B] tokens the row's sequence holds when its token is drawn
-    table: np.ndarray  # [B, 7] their rows of the slot table (a copy): LAST, PROMPT_LENGTH, EOS...
+    # [B, 7] their rows of the slot table (a copy): LAST, PROMPT_LENGTH, EOS...; None when the step
+    # is read row by row (request_ids and indexes are then empty too).
+    table: np.ndarray | None
     # Some row needs Python of its own when its token is read (stop token ids, a draft, a grammar,
     # alternatives): the step's tokens take the per-row path.
     per_row: bool
@@ -94,6 +96,11 @@ class SlotRows:
         self.state: list[RequestState | None] = [None] * max_slots
         self.request_id = [""] * max_slots
         self.index = [0] * max_slots
+        # The table's BITS, NGRAM and TOP_LOGPROBS again, as lists: a few rows' features are cheaper
+        # to gather in Python than with numpy's fixed cost per operation.
+        self.bits = [0] * max_slots
+        self.ngram = [0] * max_slots
+        self.top_logprobs = [0] * max_slots
         self._features: dict[tuple[int, int, int], RowFeatures] = {}  # few distinct ones: made once
 
     def write(self, state: RequestState, seq: Sequence, eos: int) -> None:
@@ -108,10 +115,11 @@ class SlotRows:
         self.seq[slot], self.state[slot] = seq, state
         self.request_id[slot] = state.request.request_id
         self.index[slot] = seq.index
+        self.bits[slot], self.ngram[slot], self.top_logprobs[slot] = bits, params.no_repeat_ngram_size, params.top_logprobs
 
     def move(self, src: int, dst: int) -> None:
         self.table[dst] = self.table[src]
-        for column in (self.seq, self.state, self.request_id, self.index):
+        for column in (self.seq, self.state, self.request_id, self.index, self.bits, self.ngram, self.top_logprobs):
             column[dst] = column[src]
 
     def decoding(self, in_use: np.ndarray) -> list[int]:
@@ -136,7 +144,7 @@ class SlotRows:
 
     def gather(self, slots: list[int], slot_array: np.ndarray, counters: np.ndarray, in_slot_order: bool) -> RowFacts:
         """The facts of rows drawing from `slots` (`slot_array`: the same as an array; slots 0..B-1
-        when `in_slot_order`: slices)."""
+        when `in_slot_order`: slices), for a step read as a batch."""
         if not slots:
             return RowFacts(NO_FEATURES, [], [], slot_array, counters, self.table[:0].copy(), False, in_slot_order)
         if in_slot_order:
@@ -147,13 +155,27 @@ class SlotRows:
             request_ids, indexes = list(map(self.request_id.__getitem__, slots)), list(map(self.index.__getitem__, slots))
             table = self.table[slot_array]
         bits = int(np.bitwise_or.reduce(table[:, BITS]))
-        per_row = bool(bits & PER_ROW_BIT)
         ngram = int(table[:, NGRAM].max()) if bits & HISTORY_BIT else 0
-        top_logprobs = int(table[:, TOP_LOGPROBS].max()) if per_row else 0
+        top_logprobs = int(table[:, TOP_LOGPROBS].max()) if bits & PER_ROW_BIT else 0
+        return RowFacts(self._features_of(bits, ngram, top_logprobs), request_ids, indexes, slot_array, counters, table,
+                        bool(bits & PER_ROW_BIT), in_slot_order)
+
+    def gather_features(self, slots: list[int], slot_array: np.ndarray, counters: np.ndarray,
+                        in_slot_order: bool) -> RowFacts:
+        """The same for a step read row by row: the rows' features alone, in Python."""
+        bits = 0
+        for row_bits in map(self.bits.__getitem__, slots):
+            bits |= row_bits
+        ngram = max(map(self.ngram.__getitem__, slots)) if bits & HISTORY_BIT else 0
+        top_logprobs = max(map(self.top_logprobs.__getitem__, slots)) if bits & PER_ROW_BIT else 0
+        return RowFacts(self._features_of(bits, ngram, top_logprobs), [], [], slot_array, counters, None,
+                        bool(bits & PER_ROW_BIT), in_slot_order)
+
+    def _features_of(self, bits: int, ngram: int, top_logprobs: int) -> RowFeatures:
         features = self._features.get((bits, ngram, top_logprobs))
         if features is None:
             features = RowFeatures(*(bool(bits >> bit & 1) for bit in range(FEATURES)), max_ngram=ngram,
                                    top_logprobs=top_logprobs)
             if len(self._features) < 4096:
                 self._features[bits, ngram, top_logprobs] = features
-        return RowFacts(features, request_ids, indexes, slot_array, counters, table, per_row, in_slot_order)
+        return features
