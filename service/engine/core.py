@@ -380,7 +380,7 @@ class EngineCore:
                                           np.ones(count, dtype=bool), self.sampler.last_tokens)
         slot_ids = step_rows.sample_slots[:count]
         first, last = int(slots[0]), int(slots[-1])
-        # Ascending and distinct (the slot table's mask): one span when they are consecutive.
+        # Ascending and distinct (either layout sorts them): one span when they are consecutive.
         rows = SlotBatch(slot_ids, slice(first, last + 1) if last - first == count - 1 else None)
         last_tokens = self.sampler.last_tokens
         input_ids = last_tokens[rows.span] if rows.span is not None else last_tokens[slot_ids]

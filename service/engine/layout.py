@@ -66,14 +66,15 @@ class StepLayout:
         logit_rows = list(range(rows)) + [row_of[seq.slot] for _, seq in completing]
         host = np.empty((3, len(slots)), dtype=np.int64)  # one host→device copy: [3, B]
         host[0], host[1], host[2] = logit_rows, slots, slot_rows.lengths(slots)
-        return self._rows(decoding, row_of, sampled, host, slots, logit_rows, drafted=False, from_device=True)
+        return self._rows(decoding, row_of, sampled, host, slots, logit_rows, drafted=False, from_device=True, batched=True)
 
     def _rows(self, decoding: list[Sequence], row_of: dict[int, int], sampled: list, host: np.ndarray, slots: list[int],
-              logit_rows: list[int], drafted: bool, from_device: bool) -> StepRows:
-        """`host`: [3, B] the sampled rows' logits rows, slots and counters."""
+              logit_rows: list[int], drafted: bool, from_device: bool, batched: bool) -> StepRows:
+        """`host`: [3, B] the sampled rows' logits rows, slots and counters; `batched`: its tokens
+        may be read as a batch (the rows' table entries are gathered for it)."""
         sample_rows, sample_slots, sample_counters = to_device(torch.from_numpy(host), self.device)  # [B] each
         in_order = logit_rows == slots == list(range(len(slots)))
-        gather = self.slot_rows.gather if from_device else self.slot_rows.gather_features  # read as a batch or not
+        gather = self.slot_rows.gather if batched else self.slot_rows.gather_features
         facts = gather(slots, host[1], host[2], in_order)
         return StepRows(decoding, row_of, sampled, sample_rows, sample_slots, sample_counters, facts, in_order, drafted,
                         from_device)
@@ -114,4 +115,7 @@ class StepLayout:
                 slots.append(seq.slot)
                 counters.append(len(seq.token_ids) + j)
         host = np.array([logit_rows, slots, counters], dtype=np.int64).reshape(3, len(slots))
-        return self._rows(decoding, row_of, sampled, host, slots, logit_rows, drafted, from_device=False)
+        # With no beam or draft the decode rows are the first sampled ones, each feeding the token
+        # the sampler left on the device for its slot.
+        from_device = not (self.scheduler.host_paced_running or drafted)
+        return self._rows(decoding, row_of, sampled, host, slots, logit_rows, drafted, from_device, batched=False)

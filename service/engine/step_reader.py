@@ -42,7 +42,7 @@ class StepReader:
         report them. The requests a sequence of which ended are added to `launched.ended`."""
         # Row by row where the layout was (beams, drafts, grammars, few rows) or a row needs it
         # (stop token ids, alternatives).
-        if launched.rows.facts.per_row or not launched.rows.from_device:
+        if launched.rows.facts.per_row or launched.rows.facts.table is None:
             self._each(launched, host.tolist(), results)
             if launched.rows.drafted:  # the slot table learns the lengths the drafts left
                 for _, seq in launched.rows.sampled:

@@ -46,7 +46,7 @@ class StepRows:
     in_slot_order: bool = False
     drafted: bool = False  # a decoding sequence verifies a draft this step
     # Every decoding row feeds its slot's last sampled token from the device (`last_tokens`) at
-    # the position its counter gives (no beams, drafts or grammars running).
+    # the position its counter gives (no beams or drafts running).
     from_device: bool = False
 
 
