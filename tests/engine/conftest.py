@@ -24,12 +24,16 @@ _ids = itertools.count()
 OVERLAP = {"1": True, "0": False}.get(os.environ.get("GPT2_TEST_OVERLAP", ""))
 
 
+# The core lays out and reads a step as a batch from BATCHED_ROWS running requests (row by row
+# below, where that is cheaper): these tests' small batches take the batched path, which serves
+# every large batch, unless GPT2_TEST_BATCHED_ROWS says otherwise ("16": the server's threshold,
+# so the row-by-row paths run instead). test_batched_read.py compares the two.
+BATCHED_ROWS = int(os.environ.get("GPT2_TEST_BATCHED_ROWS", "1"))
+
+
 @pytest.fixture(autouse=True)
-def batched_from_one_row(monkeypatch):
-    """The core lays out and reads a step as a batch from BATCHED_ROWS running requests (row by
-    row below, where that is cheaper): these tests' small batches take the batched path, which
-    serves every large batch; test_batched_read.py compares it with the row-by-row one."""
-    monkeypatch.setattr(layout_module, "BATCHED_ROWS", 1)
+def batched_rows(monkeypatch):
+    monkeypatch.setattr(layout_module, "BATCHED_ROWS", BATCHED_ROWS)
 
 
 @pytest.fixture(scope="session")
