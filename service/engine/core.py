@@ -149,7 +149,10 @@ class EngineCore:
                 self._postprocess(previous, results)
                 previous = None
             failed += self._refuse_uncompiled()
-            plan = self.scheduler.schedule(started, in_flight=previous is not None)
+            # With a step in flight (only when no host-paced request runs: the slot table is exact
+            # for every running sequence) some may have drawn their last token already.
+            exhausted = self.slot_rows.exhausted(self.cache.in_use) if previous is not None else []
+            plan = self.scheduler.schedule(started, exhausted)
             results.done += [self._finish(state) for state in plan.cancelled]
             prefill_tokens = plan.prefill_tokens
             cached_tokens = plan.cached_tokens
@@ -202,7 +205,7 @@ class EngineCore:
             rows = self.layout.layout(plan)
             logits = self._run(plan, rows)
             launched = self.sampler.launch(logits, rows, completing + plan.decode, completing, deferred)
-            for state in launched.active:
+            for state in launched.active if self.scheduler.host_paced_running else ():  # beams among them?
                 if state.beam is not None and advance_beams(state, logits, rows.row_of, self.cache):
                     for beam in state.sequences:  # finish() gives each hypothesis its reason
                         self.scheduler.release_sequence(beam, "length", state)

@@ -118,7 +118,8 @@ class RequestState:
     @property
     def exhausted(self) -> bool:
         """Its sequences drew their last token in a step whose tokens the host has not read:
-        done by length, though not yet known to be. (Sequences of one request advance together.)"""
+        done by length, though not yet known to be. (Sequences of one request advance together.)
+        The core asks the slot table for all of them at once (SlotRows.exhausted); tests ask this."""
         sequences = self.sequences
         seq = sequences[0] if len(sequences) == 1 else next((s for s in sequences if s.finish_reason is None), None)
         return seq is not None and seq.pending > 0 and len(seq.token_ids) + seq.pending - seq.prompt_length >= self.params.max_new_tokens
@@ -274,9 +275,9 @@ class Scheduler:
         return bool(self.running) or self._waiting_count > 0 or bool(self._cancel)
 
     # --- stepping side --------------------------------------------------------------------------
-    def schedule(self, now: float, in_flight: bool = False) -> StepPlan:
-        """`in_flight`: a step's tokens are still unread (the core's overlap): a sequence may have
-        drawn its last token already."""
+    def schedule(self, now: float, exhausted: list[RequestState] = ()) -> StepPlan:
+        """`exhausted`: requests whose sequences drew their last token in a step whose tokens are
+        still unread (the core's overlap): a row more would draw past max_new_tokens."""
         with self._lock:
             cancel, self._cancel = self._cancel, set()
             cancelled = self._drop_waiting(lambda state: state.request.request_id in cancel)
@@ -291,11 +292,11 @@ class Scheduler:
         # Prompts already admitted go on first, in admission order; then new ones while slots
         # and the budget allow.
         chunks = []
-        # Comprehensions over every running request, the rest over the few prefilling ones.
-        if in_flight:  # a row more would draw past max_new_tokens
-            decode = [state for state in kept if state.prefilled >= state.prompt_length and not state.exhausted]
-        else:
-            decode = [state for state in kept if state.prefilled >= state.prompt_length]
+        # A comprehension over every running request, the rest over the few prefilling or exhausted.
+        decode = [state for state in kept if state.prefilled >= state.prompt_length]
+        if exhausted:
+            done = {id(state) for state in exhausted}
+            decode = [state for state in decode if id(state) not in done]
         if len(decode) < len(kept):
             for state in [state for state in kept if state.prefilled < state.prompt_length]:
                 if size := budget.take(state.prompt_length - state.prefilled):

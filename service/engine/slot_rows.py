@@ -130,6 +130,12 @@ class SlotRows:
         length = table[:, LENGTH]
         return np.flatnonzero(in_use & (length > table[:, PROMPT_LENGTH]) & (length <= table[:, LAST])).tolist()
 
+    def exhausted(self, in_use: np.ndarray) -> list[RequestState]:
+        """The requests a sequence of which drew its last token in a step whose tokens the host has
+        not read (the core's overlap): done by length, though not yet known to be."""
+        table = self.table
+        return [self.state[slot] for slot in np.flatnonzero(in_use & (table[:, LENGTH] > table[:, LAST])).tolist()]
+
     def lengths(self, slots: list[int]) -> np.ndarray:
         """[B] the counters of the next draws on `slots`."""
         return self.table[slots, LENGTH]
