@@ -61,11 +61,9 @@ FEATURES = len(RowFeatures.__dataclass_fields__) - 2  # the flags, before max_ng
 HISTORY_BIT = 1 << list(RowFeatures.__dataclass_fields__).index("history")
 PER_ROW_BIT = 1 << FEATURES  # the row needs Python of its own when its token is read
 NO_FEATURES = RowFeatures(*[False] * FEATURES)
-# Columns of the table.
-# LAST: the counter of its last draw (max_new_tokens reached with it); EOS: the token that ends it
-# (-1 with ignore_eos).
-# LENGTH: the counter of its next draw, len(token_ids) + pending (the core keeps it: _launch,
-# _advance_each).
+# Columns of the table. LAST: the counter of its last draw (max_new_tokens reached with it); EOS:
+# the token that ends it (-1 with ignore_eos); LENGTH: the counter of its next draw,
+# len(token_ids) + pending (grown at each launch, set after a drafted step's read).
 LAST, PROMPT_LENGTH, EOS, BITS, NGRAM, TOP_LOGPROBS, LENGTH = range(7)
 
 
