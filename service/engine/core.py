@@ -110,7 +110,7 @@ class EngineCore:
             self._grammar_ready,
         )
         self.layout = StepLayout(self.scheduler, self.slot_rows, self.cache, config.speculative is not None)
-        self.reader = StepReader(self.scheduler, self.slot_rows, eos_token_id)
+        self.reader = StepReader(self.scheduler, eos_token_id)
         self.static_decode = StaticDecode(self.model, self.cache) if config.static_decode else None
         if self.static_decode is not None and self.device.type == "cuda":
             self.static_decode.capture()  # on failure it says why and decodes eagerly
@@ -214,7 +214,7 @@ class EngineCore:
             for _, seq in rows.sampled:
                 seq.pending += 1
         if not rows.drafted:  # a drafted step's lengths are known once its tokens are read
-            self.slot_rows.drew(rows.facts)
+            self.slot_rows.drew(rows.facts.slots, rows.in_slot_order)
         launched.releases = self.scheduler.releases
         return launched
 
@@ -240,6 +240,11 @@ class EngineCore:
             if not s.reported
         ]
         self.reader.read(launched, host, results)
+        if launched.rows.drafted:  # what the drafts left: each sequence's length and last token
+            drafted = list({id(seq): seq for _, seq in launched.rows.sampled}.values())
+            for seq in drafted:
+                self.slot_rows.set_length(seq)
+            self.sampler.set_last_tokens([seq.slot for seq in drafted], [seq.token_ids[-1] for seq in drafted])
         # Only requests a sequence of which ended here can be done: no pass over every row.
         finished = [state for state in {id(s): s for s in launched.ended}.values() if state.done and not state.reported]
         if finished:

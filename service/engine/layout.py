@@ -74,8 +74,10 @@ class StepLayout:
         may be read as a batch (the rows' table entries are gathered for it)."""
         sample_rows, sample_slots, sample_counters = to_device(torch.from_numpy(host), self.device)  # [B] each
         in_order = logit_rows == slots == list(range(len(slots)))
-        gather = self.slot_rows.gather if batched else self.slot_rows.gather_features
-        facts = gather(slots, host[1], host[2], in_order)
+        if batched:
+            facts = self.slot_rows.gather(slots, host[1], host[2], in_order)
+        else:
+            facts = self.slot_rows.gather_features(slots, host[1], host[2])
         return StepRows(decoding, row_of, sampled, sample_rows, sample_slots, sample_counters, facts, in_order, drafted,
                         from_device)
 

@@ -116,15 +116,6 @@ class RequestState:
         return self.prefilled < self.prompt_length
 
     @property
-    def exhausted(self) -> bool:
-        """Its sequences drew their last token in a step whose tokens the host has not read:
-        done by length, though not yet known to be. (Sequences of one request advance together.)
-        The core asks the slot table for all of them at once (SlotRows.exhausted); tests ask this."""
-        sequences = self.sequences
-        seq = sequences[0] if len(sequences) == 1 else next((s for s in sequences if s.finish_reason is None), None)
-        return seq is not None and seq.pending > 0 and len(seq.token_ids) + seq.pending - seq.prompt_length >= self.params.max_new_tokens
-
-    @property
     def scored_prefix(self) -> ScoredPrefix | None:
         """The prompt scores computed so far, for a later prompt reusing this one's prefix."""
         if self.prompt_scores is None:
@@ -275,7 +266,7 @@ class Scheduler:
         return bool(self.running) or self._waiting_count > 0 or bool(self._cancel)
 
     # --- stepping side --------------------------------------------------------------------------
-    def schedule(self, now: float, exhausted: list[RequestState] = ()) -> StepPlan:
+    def schedule(self, now: float, exhausted: list[RequestState] | None = None) -> StepPlan:
         """`exhausted`: requests whose sequences drew their last token in a step whose tokens are
         still unread (the core's overlap): a row more would draw past max_new_tokens."""
         with self._lock:
@@ -294,13 +285,13 @@ class Scheduler:
         chunks = []
         # A comprehension over every running request, the rest over the few prefilling or exhausted.
         decode = [state for state in kept if state.prefilled >= state.prompt_length]
-        if exhausted:
-            done = {id(state) for state in exhausted}
-            decode = [state for state in decode if id(state) not in done]
         if len(decode) < len(kept):
             for state in [state for state in kept if state.prefilled < state.prompt_length]:
                 if size := budget.take(state.prompt_length - state.prefilled):
                     chunks.append(PrefillChunk(state, state.prefilled, state.prefilled + size))
+        if exhausted:
+            done = {id(state) for state in exhausted}
+            decode = [state for state in decode if id(state) not in done]
         pending: list[tuple[Sequence, Sequence, int]] = []  # (source, destination, length)
         admitted = self._admit(now, budget, chunks, pending)
         moves = self._pack()

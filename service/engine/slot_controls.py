@@ -4,8 +4,8 @@ min_new_tokens with stop_token_ids, no_repeat_ngram_size, bad_words_ids, min_p, 
 
 The token history (for n-grams and bad words) and the output counts (for presence/frequency)
 are updated on the device from the step's sampled tokens, so no step copies them to or from
-the host. Tables a batch does not use are neither gathered nor updated (flags from the rows'
-SamplingParams, plain Python).
+the host. Tables a batch does not use are neither gathered nor updated (the rows' features, one
+OR over the slot table's bits: service/engine/slot_rows.py).
 """
 
 from __future__ import annotations

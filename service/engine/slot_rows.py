@@ -60,11 +60,10 @@ class RowFeatures:
 FEATURES = len(RowFeatures.__dataclass_fields__) - 2  # the flags, before max_ngram and top_logprobs
 HISTORY_BIT = 1 << list(RowFeatures.__dataclass_fields__).index("history")
 PER_ROW_BIT = 1 << FEATURES  # the row needs Python of its own when its token is read
-NO_FEATURES = RowFeatures(*[False] * FEATURES)
 # Columns of the table. LAST: the counter of its last draw (max_new_tokens reached with it); EOS:
 # the token that ends it (-1 with ignore_eos); LENGTH: the counter of its next draw,
 # len(token_ids) + pending (grown at each launch, set after a drafted step's read).
-LAST, PROMPT_LENGTH, EOS, BITS, NGRAM, TOP_LOGPROBS, LENGTH = range(7)
+LAST, PROMPT_LENGTH, EOS, LENGTH = range(4)
 
 
 @dataclass
@@ -77,29 +76,28 @@ class RowFacts:
     indexes: list[int]  # sequence index within the request
     slots: np.ndarray  # [B] the rows' slots
     counters: np.ndarray  # [B] tokens the row's sequence holds when its token is drawn
-    # [B, 7] their rows of the slot table (a copy): LAST, PROMPT_LENGTH, EOS...; None when the step
-    # is read row by row (request_ids and indexes are then empty too).
+    # [B, 4] their rows of the slot table (a copy): LAST, PROMPT_LENGTH, EOS, LENGTH; None when the
+    # step is read row by row (request_ids and indexes are then empty too).
     table: np.ndarray | None
     # Some row needs Python of its own when its token is read (stop token ids, a draft, a grammar,
     # alternatives): the step's tokens take the per-row path.
     per_row: bool
-    in_slot_order: bool  # slots are 0..B-1
 
 
 class SlotRows:
     def __init__(self, max_slots: int) -> None:
-        self.table = np.zeros((max_slots, 7), dtype=np.int64)  # [slots, 7]
+        self.table = np.zeros((max_slots, 4), dtype=np.int64)  # [slots, 4]
         # Who holds each slot (stale once it ends: read only for the slots of running sequences).
         self.seq: list[Sequence | None] = [None] * max_slots
         self.state: list[RequestState | None] = [None] * max_slots
         self.request_id = [""] * max_slots
         self.index = [0] * max_slots
-        # The table's BITS, NGRAM and TOP_LOGPROBS again, as lists: a few rows' features are cheaper
-        # to gather in Python than with numpy's fixed cost per operation.
+        # Which sampling stages it uses (bit i: features_of(params)[i], PER_ROW_BIT), and the two
+        # counts RowFeatures takes the largest of.
         self.bits = [0] * max_slots
         self.ngram = [0] * max_slots
         self.top_logprobs = [0] * max_slots
-        self._features: dict[tuple[int, int, int], RowFeatures] = {}  # few distinct ones: made once
+        self._made: dict[tuple[int, int, int], RowFeatures] = {}  # few distinct ones: made once
 
     def write(self, state: RequestState, seq: Sequence, eos: int) -> None:
         """A sequence starts on its slot."""
@@ -108,8 +106,8 @@ class SlotRows:
         if seq.drafter is not None or seq.matcher is not None or params.stop_token_ids or params.top_logprobs > 0:
             bits |= PER_ROW_BIT
         prompt_length = seq.prompt_length
-        self.table[slot] = (prompt_length + params.max_new_tokens - 1, prompt_length, -1 if params.ignore_eos else eos, bits,
-                            params.no_repeat_ngram_size, params.top_logprobs, len(seq.token_ids))
+        self.table[slot] = (prompt_length + params.max_new_tokens - 1, prompt_length, -1 if params.ignore_eos else eos,
+                            len(seq.token_ids))
         self.seq[slot], self.state[slot] = seq, state
         self.request_id[slot] = state.request.request_id
         self.index[slot] = seq.index
@@ -138,10 +136,9 @@ class SlotRows:
         """[B] the counters of the next draws on `slots`."""
         return self.table[slots, LENGTH]
 
-    def drew(self, facts: RowFacts) -> None:
-        """One token was drawn on each of the rows' slots (distinct)."""
-        pick = slice(0, len(facts.slots)) if facts.in_slot_order else facts.slots
-        self.table[pick, LENGTH] += 1
+    def drew(self, slots: np.ndarray, in_slot_order: bool) -> None:
+        """One token was drawn on each of `slots` (distinct; 0..B-1 when `in_slot_order`)."""
+        self.table[slice(0, len(slots)) if in_slot_order else slots, LENGTH] += 1
 
     def set_length(self, seq: Sequence) -> None:
         self.table[seq.slot, LENGTH] = len(seq.token_ids) + seq.pending
@@ -149,8 +146,7 @@ class SlotRows:
     def gather(self, slots: list[int], slot_array: np.ndarray, counters: np.ndarray, in_slot_order: bool) -> RowFacts:
         """The facts of rows drawing from `slots` (`slot_array`: the same as an array; slots 0..B-1
         when `in_slot_order`: slices), for a step read as a batch."""
-        if not slots:
-            return RowFacts(NO_FEATURES, [], [], slot_array, counters, self.table[:0].copy(), False, in_slot_order)
+        features, per_row = self._features(slots)
         if in_slot_order:
             pick = slice(0, len(slots))
             request_ids, indexes = self.request_id[pick], self.index[pick]
@@ -158,28 +154,24 @@ class SlotRows:
         else:
             request_ids, indexes = list(map(self.request_id.__getitem__, slots)), list(map(self.index.__getitem__, slots))
             table = self.table[slot_array]
-        bits = int(np.bitwise_or.reduce(table[:, BITS]))
-        ngram = int(table[:, NGRAM].max()) if bits & HISTORY_BIT else 0
-        top_logprobs = int(table[:, TOP_LOGPROBS].max()) if bits & PER_ROW_BIT else 0
-        return RowFacts(self._features_of(bits, ngram, top_logprobs), request_ids, indexes, slot_array, counters, table,
-                        bool(bits & PER_ROW_BIT), in_slot_order)
+        return RowFacts(features, request_ids, indexes, slot_array, counters, table, per_row)
 
-    def gather_features(self, slots: list[int], slot_array: np.ndarray, counters: np.ndarray,
-                        in_slot_order: bool) -> RowFacts:
-        """The same for a step read row by row: the rows' features alone, in Python."""
+    def gather_features(self, slots: list[int], slot_array: np.ndarray, counters: np.ndarray) -> RowFacts:
+        """The same for a step read row by row: the rows' features alone."""
+        features, per_row = self._features(slots)
+        return RowFacts(features, [], [], slot_array, counters, None, per_row)
+
+    def _features(self, slots: list[int]) -> tuple[RowFeatures, bool]:
+        """Which sampling stages the rows on `slots` use, and whether one needs Python of its own."""
         bits = 0
         for row_bits in map(self.bits.__getitem__, slots):
             bits |= row_bits
         ngram = max(map(self.ngram.__getitem__, slots)) if bits & HISTORY_BIT else 0
         top_logprobs = max(map(self.top_logprobs.__getitem__, slots)) if bits & PER_ROW_BIT else 0
-        return RowFacts(self._features_of(bits, ngram, top_logprobs), [], [], slot_array, counters, None,
-                        bool(bits & PER_ROW_BIT), in_slot_order)
-
-    def _features_of(self, bits: int, ngram: int, top_logprobs: int) -> RowFeatures:
-        features = self._features.get((bits, ngram, top_logprobs))
+        features = self._made.get((bits, ngram, top_logprobs))
         if features is None:
             features = RowFeatures(*(bool(bits >> bit & 1) for bit in range(FEATURES)), max_ngram=ngram,
                                    top_logprobs=top_logprobs)
-            if len(self._features) < 4096:
-                self._features[bits, ngram, top_logprobs] = features
-        return features
+            if len(self._made) < 4096:
+                self._made[bits, ngram, top_logprobs] = features
+        return features, bool(bits & PER_ROW_BIT)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from service.engine.scheduler import RequestState, Scheduler, Sequence
-from service.engine.slot_rows import EOS, LAST, PROMPT_LENGTH, SlotRows
+from service.engine.slot_rows import EOS, LAST, PROMPT_LENGTH
 from service.engine.speculation import kept_length
 from service.engine.step_sampler import LaunchedStep, alternatives
 from service.engine.types import CoreToken, RequestDone, RequestStarted, StepTokens, TopLogprobs
@@ -32,9 +32,8 @@ class StepResults:
 
 
 class StepReader:
-    def __init__(self, scheduler: Scheduler, slot_rows: SlotRows, eos_token_id: int) -> None:
+    def __init__(self, scheduler: Scheduler, eos_token_id: int) -> None:
         self.scheduler = scheduler
-        self.slot_rows = slot_rows
         self.eos_token_id = eos_token_id
 
     def read(self, launched: LaunchedStep, host: np.ndarray, results: StepResults) -> None:
@@ -44,9 +43,6 @@ class StepReader:
         # (stop token ids, alternatives).
         if launched.rows.facts.per_row or launched.rows.facts.table is None:
             self._each(launched, host.tolist(), results)
-            if launched.rows.drafted:  # the slot table learns the lengths the drafts left
-                for _, seq in launched.rows.sampled:
-                    self.slot_rows.set_length(seq)
         else:
             self._batch(launched, host, results)
 

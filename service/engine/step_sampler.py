@@ -17,6 +17,7 @@ import torch
 
 from model.sampling import choose_tokens
 from model.scoring import top_alternatives
+from model.transfer import to_device
 from service.engine.grammar import Grammars
 from service.engine.scheduler import RequestState, Sequence
 from service.engine.slot_controls import SlotControls
@@ -122,9 +123,8 @@ class StepSampler:
         if params.any_penalty:
             self.slot_params.mark_seen(slots, tokens)
         self.slot_controls.record(params.controls, slots, rows.sample_counters, tokens)
-        # The next step's inputs. (A slot verifying a draft has several rows: its entry is then
-        # any of them, and its sequence feeds the host's tokens.)
-        self.last_tokens[read] = tokens
+        if not rows.drafted:  # the next step's inputs (a drafted step's are known once it is read)
+            self.last_tokens[read] = tokens
         columns = [tokens[:, None].double(), logprobs[:, None].double()]
         # Alternatives: as many as the most demanding row asked for; each row keeps its own count.
         n = features.top_logprobs
@@ -140,6 +140,10 @@ class StepSampler:
             ready = torch.cuda.Event()
             ready.record()
         return LaunchedStep(rows, active, completing, host, n, ready, deferred)
+
+    def set_last_tokens(self, slots: list[int], tokens: list[int]) -> None:
+        """The host's last tokens of the sequences on `slots` (distinct), after a drafted step."""
+        self.last_tokens[to_device(slots, self.last_tokens.device)] = to_device(tokens, self.last_tokens.device)
 
     def read(self, launched: LaunchedStep) -> np.ndarray:
         """The launched step's host rows [B, 2 + 2n], one per sampled row (`launched.rows.sampled`),

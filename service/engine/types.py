@@ -9,7 +9,6 @@ Every type here is a dataclass of plain values, so msgspec encodes it for the IP
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import cached_property
 from typing import Literal
 
 FinishReason = Literal["length", "eos_token", "stop_sequence", "cancelled"]
@@ -71,15 +70,6 @@ class SamplingParams:
         # repeated indices keeps an unspecified one of the values on CUDA.
         if len({token for token, _ in self.logit_bias}) < len(self.logit_bias):
             object.__setattr__(self, "logit_bias", tuple(dict(self.logit_bias).items()))
-
-    @cached_property
-    def plain(self) -> bool:
-        """Greedy, with no penalty or control: a row the sampler's optional stages skip. Each
-        step asks it of every row (service/engine/slot_params.py, slot_controls.py): one cheap
-        pass, and the many per-stage questions only for the rows that are not plain."""
-        return not (self.do_sample or self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
-                    or self.frequency_penalty != 0.0 or self.logit_bias or self.min_new_tokens > 0
-                    or self.no_repeat_ngram_size > 0 or self.bad_words_ids or self.grammar is not None)
 
 
 # A token's most likely alternatives, most likely first: (token id, log-probability).

@@ -64,12 +64,15 @@ def run(make_engine, entries, overlap: bool, cancel: dict[str, int] | None = Non
         # The slot table's lengths (the counters of the next draws, read by the batched layout).
         table = engine.core.slot_rows
         plain = [state for state in scheduler.running if state.beam is None]
+        last_tokens = engine.core.sampler.last_tokens.tolist()
         for state in plain:
             for seq in state.live:
                 assert table.lengths([seq.slot])[0] == len(seq.token_ids) + seq.pending
+                if not seq.pending and len(seq.token_ids) > seq.prompt_length:  # what a decode feeds
+                    assert last_tokens[seq.slot] == seq.token_ids[-1]
         # ...and the slots it says decode next: the scheduler's decode batch.
         if not any(state.beam is not None for state in scheduler.running):
-            decoding = [seq.slot for state in plain if not state.prefilling and not state.exhausted for seq in state.live]
+            decoding = [seq.slot for state in plain if not state.prefilling and not exhausted(state) for seq in state.live]
             assert table.decoding(engine.cache.in_use) == sorted(decoding)
         results.update((f.request_id, outcome(f)) for f in output.finished)
         ahead += engine.core._launched is not None
@@ -77,6 +80,13 @@ def run(make_engine, entries, overlap: bool, cancel: dict[str, int] | None = Non
             assert engine.cache.slots_used == 0  # nothing leaked
             return results, ahead
     raise AssertionError("the engine did not finish")
+
+
+def exhausted(state) -> bool:
+    """Its sequences (which advance together) drew their last token in a step whose tokens the
+    host has not read: done by length, though not yet known to be."""
+    seq = next((s for s in state.sequences if s.finish_reason is None), None)
+    return seq is not None and seq.pending > 0 and len(seq.token_ids) + seq.pending - seq.prompt_length >= state.params.max_new_tokens
 
 
 def outcome(finished) -> list:
