@@ -134,6 +134,11 @@ class KVCache:
             self.values[layer, rows.ids, :, :length],
         )
 
+    def scrub(self, slots: list[int]) -> None:
+        """Zero what the slots hold: a failed sequence's keys and values may not be finite, and
+        a later sequence's masked positions still multiply them (0 * NaN is NaN)."""
+        self.kv[:, :, slots] = 0
+
     def copy_slots(self, src: list[int], dst: list[int], length: int) -> None:
         """Make slot dst[i] hold what src[i] holds (beam reordering), on the device."""
         if not src:

@@ -121,7 +121,11 @@ def sample_rows(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     total = cdf[:, -1:]  # [B, 1]
     # u * total can round up to total itself; stay strictly below it.
     target = torch.minimum(uniform[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))  # [B, 1]
-    return torch.searchsorted(cdf, target, right=True).squeeze(1)  # [B]
+    # A row with no finite probability (NaN, or nothing left) finds no CDF value above its
+    # target: the search answers V, which would index past every [B, V] table the step writes
+    # (on CUDA a device assert that ends the process). Such a row's token is in range and
+    # meaningless; its request fails on its NaN log-probability (service/engine/faults.py).
+    return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=probs.shape[-1] - 1)  # [B]
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:

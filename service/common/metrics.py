@@ -83,6 +83,12 @@ class Metrics:
         self.grammar_cache_hits = Counter(
             "gpt2_grammar_cache_hits", "Grammars found compiled already (checked before, same content)", registry=r
         )
+        self.request_failures = Counter(
+            "gpt2_request_failures",
+            "Requests the engine failed, by cause (nonfinite_logits, grammar, beam_search: the request's own "
+            "rows, the rest of the step went on; step: a step that failed whole; refused; core_exit)",
+            ["cause"], registry=r,
+        )
         self.queue_duration = Histogram(
             "gpt2_queue_duration_seconds", "Arrival to first scheduled step", buckets=LATENCY_BUCKETS, registry=r
         )

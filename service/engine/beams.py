@@ -10,6 +10,7 @@ import torch
 
 from model.beam import BeamParams, BeamSearch, reorder_beam_slots
 from model.kv_cache import KVCache
+from service.engine.faults import RowFaultError, nonfinite
 from service.engine.scheduler import RequestState
 from service.engine.types import FinishedSequence, SamplingParams
 
@@ -38,6 +39,8 @@ def advance_beams(state: RequestState, logits: torch.Tensor, row_of: dict[int, i
     else:
         rows = torch.tensor([row_of[b.slot] for b in beams], device=logits.device)  # [num_beams]
         beam_logits = logits[rows]  # [num_beams, V]
+    if not torch.isfinite(beam_logits).all():  # the search reads its scores on the host anyway
+        raise RowFaultError(nonfinite(len(beams[0].token_ids) - beams[0].prompt_length + 1))
     step = state.beam.step(beam_logits)
     if step.done:
         return True

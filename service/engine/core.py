@@ -32,6 +32,7 @@ from model.kv_cache import KVCache, SlotBatch
 from model.transfer import to_device
 from service.engine.adapters import ServedAdapters
 from service.engine.beams import advance_beams, beam_results, start_beam_search
+from service.engine.faults import NONFINITE, NonfiniteInjection, RowFault, RowFaultError, beam_failed
 from service.engine.forward import forward_from
 from service.engine.grammar import Grammars
 from service.engine.graphs import StaticDecode
@@ -103,7 +104,8 @@ class EngineCore:
         self.clock = clock
         max_len = config.max_len or model.config.n_positions
         self.cache = KVCache(model.config, config.max_slots, max_len, self.device, model.dtype)
-        self.sampler = StepSampler(config.max_slots, model.config.vocab_size, max_len, eos_token_id, self.device, grammars)
+        self.sampler = StepSampler(config.max_slots, model.config.vocab_size, max_len, eos_token_id, self.device, grammars,
+                                   NonfiniteInjection.from_env())
         self.slot_rows = SlotRows(config.max_slots)
         self.scheduler = Scheduler(
             self.cache, config.max_waiting, config.max_prefill_tokens, self._start, config.prefix_caching,
@@ -169,8 +171,9 @@ class EngineCore:
                 self._launched = launched
             elif launched is not None:
                 self._postprocess(launched, results)
+            failed += self._fail(results.failed)
             if self.adapters.unloading:
-                self._free_unloaded_adapters()
+                self.free_unloaded_adapters()
         except Exception as exc:  # e.g. out of device memory: fail these requests, keep serving
             log.exception("engine step failed")
             self._launched = None
@@ -206,7 +209,7 @@ class EngineCore:
             logits = self._run(plan, rows)
             launched = self.sampler.launch(logits, rows, completing + plan.decode, completing, deferred)
             for state in launched.active if self.scheduler.host_paced_running else ():  # beams among them?
-                if state.beam is not None and advance_beams(state, logits, rows.row_of, self.cache):
+                if state.beam is not None and self._advance_beams(state, logits, rows, launched):
                     for beam in state.sequences:  # finish() gives each hypothesis its reason
                         self.scheduler.release_sequence(beam, "length", state)
                     launched.ended.append(state)
@@ -217,6 +220,36 @@ class EngineCore:
             self.slot_rows.drew(rows.facts.slots, rows.in_slot_order)
         launched.releases = self.scheduler.releases
         return launched
+
+    def _advance_beams(self, state: RequestState, logits: torch.Tensor, rows: StepRows, launched: LaunchedStep) -> bool:
+        """One beam-search step; a search that fails (its logits not finite, or raising) ends
+        that request alone, when the step is read."""
+        try:
+            return advance_beams(state, logits, rows.row_of, self.cache)
+        except Exception as exc:
+            self.scheduler.end_failed(state)
+            launched.failed.append((state, exc.fault if isinstance(exc, RowFaultError) else beam_failed(exc)))
+            return False
+
+    def _fail(self, failures: list[tuple[RequestState, RowFault]]) -> list[RequestFailed]:
+        """Requests whose own rows failed leave (their sequences already ended) and are answered
+        with their fault; every other request of the step went on."""
+        answers, leaving = [], []
+        for state, fault in {id(state): (state, fault) for state, fault in failures}.values():
+            if state.reported:
+                continue
+            leaving.append(state)
+            log.warning("request %s failed alone (%s): %s", state.request.request_id, fault.cause, fault.message)
+            if fault.cause == NONFINITE:
+                # Non-finite keys and values would poison whichever request reuses these slots
+                # (a masked position's value still meets a zero weight: 0 * NaN is NaN).
+                self.cache.scrub([seq.slot for seq in state.sequences])
+            state.reported = True
+            self.scheduler.forget(state.request.request_id)
+            answers.append(RequestFailed(state.request.request_id, fault.message, fault.status, fault.error_type,
+                                         fault.cause))
+        self.scheduler.leave(leaving)
+        return answers
 
     def _rearrange(self, plan: StepPlan) -> None:
         """The plan's packing moves and prefix copies, even in a step with nothing to run: with
@@ -239,6 +272,7 @@ class EngineCore:
             for s in launched.completing
             if not s.reported
         ]
+        results.failed += launched.failed
         self.reader.read(launched, host, results)
         if launched.rows.drafted:  # what the drafts left: each sequence's length and last token
             drafted = list({id(seq): seq for _, seq in launched.rows.sampled}.values())
@@ -246,12 +280,16 @@ class EngineCore:
                 self.slot_rows.set_length(seq)
             self.sampler.set_last_tokens([seq.slot for seq in drafted], [seq.token_ids[-1] for seq in drafted])
         # Only requests a sequence of which ended here can be done: no pass over every row.
-        finished = [state for state in {id(s): s for s in launched.ended}.values() if state.done and not state.reported]
+        failing = {id(state) for state, _ in results.failed}
+        finished = [state for state in {id(s): s for s in launched.ended}.values()
+                    if state.done and not state.reported and id(state) not in failing]
         if finished:
             results.done += [self._finish(state) for state in finished]
             self.scheduler.leave(finished)
 
-    def _free_unloaded_adapters(self) -> None:
+    def free_unloaded_adapters(self) -> None:
+        """Free the adapters being unloaded that no request uses any more: after each step, and
+        by the core's loop when an unload arrives while no step runs."""
         # A launched step's kernels are already queued with the tensors they read (freed memory
         # is reused in stream order), so only the requests that will still run count.
         for index in self.adapters.free_unused(self.scheduler.adapter_in_use):
@@ -272,7 +310,8 @@ class EngineCore:
         if not errors:
             return []
         refused = self.scheduler.refuse_waiting(lambda state: state.params.grammar in errors)
-        failed = [RequestFailed(state.request.request_id, errors[state.params.grammar]) for state in refused]
+        failed = [RequestFailed(state.request.request_id, errors[state.params.grammar], 422, "validation", "grammar")
+                  for state in refused]
         errors.clear()  # every waiting request of those grammars is refused; a later one compiles again
         return failed
 

@@ -141,8 +141,31 @@ class CoreLoop:
     def _take_messages(self, block: bool) -> None:
         timeout = IDLE_POLL_MS if block else 0
         while self.poller.poll(timeout):
-            self._handle(to_core.decode(self.inputs.recv()))
+            self._answer(self.inputs.recv())
             timeout = 0
+
+    def _answer(self, raw: bytes) -> None:
+        """Handle one message from an HTTP process. Whatever it raises is answered as that
+        message's error: no message can end the core (only the step loop's own failure may)."""
+        message = None
+        try:
+            message = to_core.decode(raw)
+            self._handle(message)
+        except Exception as exc:
+            log.exception("the engine core could not handle %s", type(message).__name__ if message else "a message")
+            self._refuse(message, f"{type(exc).__name__}: {exc}")
+
+    def _refuse(self, message, error: str) -> None:
+        """Answer a message that raised with its error: each of its requests fails, an adapter
+        command gets the error as its answer; an abort or a handshake that raised has no one
+        waiting on an answer but the log."""
+        if isinstance(message, AddRequests):
+            request_ids = [r.request_id for r in message.requests]
+            refused = set(request_ids)  # any of them queued before the failure leaves again, unseen
+            self.core.scheduler.refuse_waiting(lambda state: state.request.request_id in refused)
+            self._send_failed(request_ids, f"refused by the engine core: {error}")
+        elif isinstance(message, AdapterCommand):
+            self.send_all(AdapterNames(self.core.adapters.names, message.client, message.ticket, error))
 
     def _handle(self, message) -> None:
         if isinstance(message, AddRequests):
@@ -169,6 +192,7 @@ class CoreLoop:
             try:
                 if message.folder is None:
                     self.core.adapters.unload(message.name)
+                    self.core.free_unloaded_adapters()  # now, if no request uses it: no step may come
                 else:
                     self.core.adapters.load(message.name, message.folder)
             except (ValueError, OSError) as exc:  # AdapterError is a ValueError: one line naming what is wrong
@@ -209,4 +233,6 @@ class CoreLoop:
         cache = self.core.cache
         stats = StepStats(0, 0, 0, len(self.core.scheduler.running), self.core.scheduler.waiting_count,
                           cache.slots_used, cache.max_slots, 0.0)
-        self._send(CoreStep(StepTokens(), [], [], [RequestFailed(r, message, status) for r in request_ids], stats))
+        error_type = "not_found" if status == 404 else "generation"
+        failed = [RequestFailed(r, message, status, error_type, "refused") for r in request_ids]
+        self._send(CoreStep(StepTokens(), [], [], failed, stats))

@@ -403,6 +403,16 @@ class Scheduler:
         self.cache.free(seq.slot)
         self.prefix.keep(seq.slot, seq.token_ids[: seq.cached], state.scored_prefix, seq.adapter)
 
+    def end_failed(self, state: RequestState) -> None:
+        """A request failed (faults.py): its live sequences leave now, and their slots keep
+        nothing for later prompts (what they hold may be what failed)."""
+        for seq in state.sequences:
+            if seq.finish_reason is None:
+                seq.finish_reason = "error"
+                self.releases += 1
+                self.cache.free(seq.slot)
+                self.prefix.drop(seq.slot)
+
     def adapter_in_use(self, adapter: int) -> bool:
         """Whether a running or waiting request uses the adapter."""
         with self._lock:

@@ -18,6 +18,7 @@ import torch
 from model.sampling import choose_tokens
 from model.scoring import top_alternatives
 from model.transfer import to_device
+from service.engine.faults import NonfiniteInjection, RowFault, grammar_failed
 from service.engine.grammar import Grammars
 from service.engine.scheduler import RequestState, Sequence
 from service.engine.slot_controls import SlotControls
@@ -76,12 +77,17 @@ class LaunchedStep:
     # The scheduler's count of ended sequences once it was launched: unchanged when its tokens
     # are read, none of its rows can have ended in between.
     releases: int = 0
+    # Sampled rows already known to have failed at launch (a grammar's mask), by row: their
+    # requests end with these faults when the step is read.
+    faults: dict[int, RowFault] = field(default_factory=dict)
+    # Requests that failed at launch (a beam search's step), already ended in the scheduler.
+    failed: list[tuple[RequestState, RowFault]] = field(default_factory=list)
 
 
 class StepSampler:
     def __init__(
         self, max_slots: int, vocab_size: int, max_len: int, eos_token_id: int, device: torch.device,
-        grammars: Grammars | None,
+        grammars: Grammars | None, injection: NonfiniteInjection | None = None,
     ) -> None:
         self.slot_params = SlotParams(max_slots, vocab_size, device)
         self.slot_controls = SlotControls(max_slots, vocab_size, max_len, eos_token_id, device)
@@ -89,6 +95,7 @@ class StepSampler:
         # Each slot's last sampled token, on the device: what a step launched before the host
         # read the previous one's tokens feeds.
         self.last_tokens = torch.zeros(max_slots, dtype=torch.long, device=device)
+        self.injection = injection  # chaos tests only (faults.py)
 
     def write(self, slot: int, params: SamplingParams, prompt: list[int], seed: int) -> None:
         self.slot_params.write(slot, params, prompt, seed)
@@ -113,12 +120,18 @@ class StepSampler:
         params.controls = self.slot_controls.gather(read, rows.sample_counters, features)
         seen = self.slot_params.seen(read) if params.any_penalty else None
         step_logits = logits[: len(rows.sampled)] if rows.in_slot_order else logits[rows.sample_rows]  # [B, V]
+        if self.injection is not None:
+            step_logits = self.injection.apply(
+                step_logits, [(state.params.seed, len(seq.token_ids) + seq.pending - seq.prompt_length) for state, seq in rows.sampled])
+        faults = {}
         if features.grammar:
             # The grammar's forbidden tokens at -inf before anything reads the logits: the
             # sampler, the log-probabilities and the alternatives see the constrained
             # distribution. Unconstrained rows are untouched (their values, their bits).
-            banned = self.grammars.banned([seq.matcher for _, seq in rows.sampled], step_logits.device, draft_prefixes(rows))
+            banned, errors = self.grammars.banned([seq.matcher for _, seq in rows.sampled], step_logits.device,
+                                                  draft_prefixes(rows))
             step_logits = step_logits.masked_fill(banned, float("-inf"))
+            faults = {row: grammar_failed(error) for row, error in errors.items()}
         tokens, logprobs = choose_tokens(step_logits, params, rows.sample_counters, seen)  # [B], [B]
         if params.any_penalty:
             self.slot_params.mark_seen(slots, tokens)
@@ -139,7 +152,7 @@ class StepSampler:
         if host.device != logits.device and logits.device.type == "cuda":
             ready = torch.cuda.Event()
             ready.record()
-        return LaunchedStep(rows, active, completing, host, n, ready, deferred)
+        return LaunchedStep(rows, active, completing, host, n, ready, deferred, faults=faults)
 
     def set_last_tokens(self, slots: list[int], tokens: list[int]) -> None:
         """The host's last tokens of the sequences on `slots` (distinct), after a drafted step."""

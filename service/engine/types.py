@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-FinishReason = Literal["length", "eos_token", "stop_sequence", "cancelled"]
+# "error": the request failed (RequestFailed answers its client; no client sees this reason).
+FinishReason = Literal["length", "eos_token", "stop_sequence", "cancelled", "error"]
 
 
 class QueueFull(Exception):
@@ -139,12 +140,16 @@ class FinishedRequest:
 
 @dataclass
 class RequestFailed:
-    """The engine could not finish this request: answer `status` (500: an internal error; 404:
-    its LoRA adapter was unloaded between the HTTP side's check and the core's)."""
+    """The engine could not finish this request: answer `status` with TGI's `error_type` (500
+    "generation": the step failed; 404: its LoRA adapter was unloaded between the HTTP side's
+    check and the core's; 424 / 422: its own row failed, service/engine/faults.py). `cause`
+    labels the failure in metrics."""
 
     request_id: str
     message: str
     status: int = 500
+    error_type: str = "generation"
+    cause: str = "step"
 
 
 @dataclass

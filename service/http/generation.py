@@ -161,9 +161,12 @@ class Generations:
             return True
         if isinstance(item, RequestFailed):
             stream.failed = True
+            self.metrics.request_failures.labels(cause=item.cause).inc()
             if item.status == 404:  # its adapter was unloaded after the HTTP side checked it
                 raise ApiError(404, "not_found", item.message)
-            raise ApiError(500, "generation", f"generation failed: {item.message}")
+            if item.status == 500:
+                raise ApiError(500, "generation", f"generation failed: {item.message}")
+            raise ApiError(item.status, item.error_type, item.message)  # its own rows failed (engine/faults.py)
         return False
 
     def close(self, batch: CallStreams) -> None:

@@ -126,7 +126,7 @@ class OutputProcessor:
 
     def fail_all(self, message: str) -> list[RequestFailed]:
         """The core is gone: every request still here fails."""
-        failed = [RequestFailed(request_id, message) for request_id in self._requests]
+        failed = [RequestFailed(request_id, message, cause="core_exit") for request_id in self._requests]
         self._requests.clear()
         return failed
 

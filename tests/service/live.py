@@ -60,8 +60,10 @@ class LiveServer:
 
 
 @contextmanager
-def live_server(model_dir: Path, open_files: int | None = None, **flags) -> Iterator[LiveServer]:
-    """`open_files`: the server's file-descriptor limit (RLIMIT_NOFILE), to reach it with few connections."""
+def live_server(model_dir: Path, open_files: int | None = None, env: dict[str, str] | None = None,
+                **flags) -> Iterator[LiveServer]:
+    """`open_files`: the server's file-descriptor limit (RLIMIT_NOFILE), to reach it with few connections;
+    `env`: variables added to the server's (clean) environment."""
     port = free_port()
     if API_SERVERS is not None:
         flags.setdefault("api_servers", API_SERVERS)
@@ -74,7 +76,7 @@ def live_server(model_dir: Path, open_files: int | None = None, **flags) -> Iter
             command += ["--" + flag, str(value)]
     limit = None if open_files is None else (lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (open_files, open_files)))
     process = subprocess.Popen(
-        command, cwd=REPO, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        command, cwd=REPO, env={**clean_env(), **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         preexec_fn=limit,
     )
     server = LiveServer(process, port)

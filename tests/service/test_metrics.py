@@ -32,6 +32,7 @@ FAMILIES = {
     "gpt2_constrained_requests": "counter",
     "gpt2_grammar_compile_seconds": "histogram",
     "gpt2_grammar_cache_hits": "counter",
+    "gpt2_request_failures": "counter",
     "gpt2_model_info": "gauge",  # Info, as the text format exposes it
 }
 

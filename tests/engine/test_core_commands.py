@@ -1,0 +1,100 @@
+"""The engine core's message loop (service/engine/process.py): whatever a message from an HTTP
+process raises is answered as that message's error, and the core goes on serving; an adapter
+unloaded while nothing runs is freed at once, not at some later step."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+import zmq
+
+from service.engine.process import CoreLoop
+from service.engine.protocol import AbortRequests, AdapterCommand, AddRequests, AdapterNames, CoreOutput, Hello, encoder, from_core
+from tests.engine.conftest import make_request, random_prompt
+from tests.model.test_lora import PEFT_CONFIGS, peft_adapter
+
+peft = pytest.importorskip("peft")
+
+
+class Outbox:
+    """Stands for the PUSH socket to the one HTTP process: keeps what the core sends."""
+
+    def __init__(self) -> None:
+        self.messages = []
+
+    def send(self, data: bytes, flags: int = 0) -> None:
+        self.messages.append(from_core.decode(data))
+
+
+@pytest.fixture
+def loop(make_engine):
+    context = zmq.Context()
+    inputs = context.socket(zmq.PULL)
+    loop = CoreLoop(inputs, [Outbox()], parent_pid=0)
+    loop.core = make_engine().core
+    yield loop
+    inputs.close(linger=0)
+    context.term()
+
+
+def sent(loop) -> list:
+    return loop.outputs[0].messages
+
+
+def test_an_adapter_command_that_raises_anything_is_answered_with_its_error(loop, monkeypatch):
+    for error in (RecursionError("maximum recursion depth exceeded"), TypeError("'int' object is not iterable"),
+                  KeyError("target_modules")):
+        def broken(name, folder, error=error):
+            raise error
+        monkeypatch.setattr(loop.core.adapters, "load", broken)
+        loop._answer(encoder.encode(AdapterCommand(ticket=7, name="x", folder="/nowhere")))
+        answer = sent(loop)[-1]
+        assert isinstance(answer, AdapterNames) and answer.ticket == 7
+        assert type(error).__name__ in answer.error and str(error.args[0]) in answer.error
+
+
+def test_requests_whose_submission_raises_fail_alone_and_the_core_serves_on(loop, monkeypatch):
+    submit = loop.core.submit
+
+    def broken(requests):
+        submit(requests)  # queued, then something goes wrong: they must leave again
+        raise TypeError("unexpected")
+
+    monkeypatch.setattr(loop.core, "submit", broken)
+    doomed = [make_request([1, 2, 3], "doomed-1", max_new_tokens=3), make_request([4, 5], "doomed-2", max_new_tokens=3)]
+    loop._answer(encoder.encode(AddRequests(doomed)))
+    [output] = [m for m in sent(loop) if isinstance(m, CoreOutput)]
+    assert sorted(f.request_id for f in output.step.failed) == ["doomed-1", "doomed-2"]
+    assert all("TypeError: unexpected" in f.message and f.cause == "refused" for f in output.step.failed)
+    monkeypatch.setattr(loop.core, "submit", submit)
+    loop._answer(encoder.encode(AddRequests([make_request([1, 2, 3], "fine", max_new_tokens=3)])))
+    done = []
+    while loop.core.has_work():
+        done += [d.request_id for d in loop.core.step().done]
+    assert done == ["fine"]  # the doomed ones were cancelled before any step: nothing of theirs ran
+
+
+def test_undecodable_and_raising_messages_leave_the_loop_standing(loop, monkeypatch):
+    loop._answer(b"\x93not a message")
+    loop._answer(msgspec.msgpack.encode({"type": "Unknown"}))
+    monkeypatch.setattr(loop.core, "cancel", lambda request_id: 1 / 0)
+    loop._answer(encoder.encode(AbortRequests(["x"])))
+    monkeypatch.setattr(loop, "owners", None)
+    loop._answer(encoder.encode(Hello(client=0)))
+    assert sent(loop)[-1].pid  # the handshake still answered
+
+
+def test_an_adapter_unloaded_while_idle_is_freed_at_once(loop, tiny_model_dir, tmp_path):
+    folder = peft_adapter(tmp_path / "c", tiny_model_dir, seed=1, **PEFT_CONFIGS["attention-only"])
+    loop._answer(encoder.encode(AdapterCommand(ticket=1, name="c", folder=str(folder))))
+    assert sent(loop)[-1].error is None
+    request = make_request(random_prompt(5, seed=3), "uses-c", max_new_tokens=4)
+    request.adapter = "c"
+    loop.core.submit([request])
+    while loop.core.has_work():
+        loop.core.step()
+    loop._answer(encoder.encode(AdapterCommand(ticket=2, name="c", folder=None)))
+    assert sent(loop)[-1].error is None
+    assert "c" not in loop.core.adapters.set and not loop.core.adapters.unloading  # freed with no step after
+    loop._answer(encoder.encode(AdapterCommand(ticket=3, name="c", folder=str(folder))))
+    assert sent(loop)[-1].error is None and "c" in sent(loop)[-1].names

@@ -1,0 +1,203 @@
+"""Only the request at fault fails: non-finite logits, a grammar that fails, an adapter that
+misbehaves or a beam search that raises end that request alone, with its own error, while every
+other request of the same steps gets exactly the tokens it gets without it."""
+
+from __future__ import annotations
+
+import math
+
+import llguidance
+import pytest
+import torch
+
+from model.lora_format import read_adapter
+from service.engine import faults
+from service.engine.faults import NonfiniteInjection
+from tests.engine.conftest import make_request, random_prompt
+from tests.model.test_lora import PEFT_CONFIGS, peft_adapter
+
+HOSTILE_SEED = 424242
+REGEX = '%llguidance {}\nstart: /[a-z]{2,6}( [a-z]{2,6}){0,3}/'
+
+
+def bystanders() -> list:
+    """Plain neighbours of every kind: greedy, sampled with warpers, several sequences,
+    alternatives, beams, a grammar, a penalty."""
+    specs = [
+        dict(max_new_tokens=12),
+        dict(max_new_tokens=10, do_sample=True, seed=3, top_k=40, top_p=0.9),
+        dict(max_new_tokens=8, do_sample=True, seed=4, num_return_sequences=2),
+        dict(max_new_tokens=9, top_logprobs=3),
+        dict(max_new_tokens=6, num_beams=3, num_return_sequences=2),
+        dict(max_new_tokens=10, grammar=REGEX, do_sample=True, seed=6),
+        dict(max_new_tokens=11, repetition_penalty=1.3, do_sample=True, seed=7, typical_p=0.9),
+    ]
+    return [make_request(random_prompt(4 + 3 * i, seed=i), f"bystander-{i}", **params) for i, params in enumerate(specs)]
+
+
+def outcome(finished) -> list:
+    return [(s.token_ids, s.logprobs, s.finish_reason, s.score) for s in finished.sequences]
+
+
+def run(engine, requests, limit: int = 500) -> tuple[dict, dict]:
+    """Every finished and failed request, by id, once the engine is idle."""
+    engine.submit(requests)
+    finished, failed = {}, {}
+    for _ in range(limit):
+        if not engine.has_work():
+            return finished, failed
+        out = engine.step()
+        finished.update((f.request_id, outcome(f)) for f in out.finished)
+        failed.update((f.request_id, f) for f in out.failed)
+    raise AssertionError("engine still busy")
+
+
+@pytest.fixture
+def alone(make_engine):
+    """The bystanders' outcomes without any hostile request beside them."""
+    finished, failed = run(make_engine(), bystanders())
+    assert not failed
+    return finished
+
+
+@pytest.mark.parametrize("value, after", [("nan", 0), ("inf", 3), ("-inf", 2)])
+@pytest.mark.parametrize("overlap", [False, True])
+def test_nonfinite_logits_fail_their_request_alone(make_engine, monkeypatch, alone, value, after, overlap):
+    monkeypatch.setenv(faults.INJECT_ENV, f"seed={HOSTILE_SEED},after={after},value={value}")
+    engine = make_engine(overlap=overlap)
+    hostile = [make_request(random_prompt(7, seed=99), "hostile", max_new_tokens=12, do_sample=True, seed=HOSTILE_SEED,
+                            num_return_sequences=2),
+               make_request(random_prompt(5, seed=98), "hostile-greedy", max_new_tokens=12, seed=HOSTILE_SEED)]
+    finished, failed = run(engine, bystanders() + hostile)
+    assert sorted(failed) == ["hostile", "hostile-greedy"]
+    for failure in failed.values():
+        assert (failure.status, failure.error_type, failure.cause) == (424, "generation", "nonfinite_logits")
+        assert f"not finite (NaN or inf) at generated token {after + 1}" in failure.message
+    assert finished == alone  # every neighbour's tokens, log-probs and finish reasons as without them
+    assert not engine.scheduler.running and engine.cache.slots_used == 0
+    assert torch.isfinite(engine.cache.kv).all()  # nothing non-finite left for the next occupant
+    # The same prompt again (no injection for this seed): computed afresh, as alone.
+    again = make_request(random_prompt(7, seed=99), "again", max_new_tokens=6, do_sample=True, seed=1)
+    finished_again, failed_again = run(engine, [again])
+    fresh, _ = run(make_engine(), [make_request(random_prompt(7, seed=99), "again", max_new_tokens=6, do_sample=True, seed=1)])
+    assert not failed_again and finished_again == fresh
+
+
+def test_an_adapter_that_turns_non_finite_at_run_time_fails_only_its_requests(make_engine, tiny_model_dir, tmp_path,
+                                                                          alone, tiny_model):
+    folder = peft_adapter(tmp_path / "poisoned", tiny_model_dir, seed=0, **PEFT_CONFIGS["all-modules"])
+    adapter = read_adapter(folder, tiny_model.config)
+    for site in adapter.sites.values():  # loaded as valid, its weights broken afterwards
+        site.b = torch.full_like(site.b, math.nan)
+    engine = make_engine()
+    engine.core.adapters.set.add("poisoned", adapter)
+    hostile = [make_request(random_prompt(6, seed=50), "greedy-on-it", max_new_tokens=8),
+               make_request(random_prompt(6, seed=51), "sampled-on-it", max_new_tokens=8, do_sample=True, seed=2)]
+    for request in hostile:
+        request.adapter = "poisoned"
+    finished, failed = run(engine, bystanders() + hostile)
+    assert sorted(failed) == ["greedy-on-it", "sampled-on-it"]
+    assert all(f.cause == "nonfinite_logits" and f.status == 424 for f in failed.values())
+    assert finished == alone
+    assert torch.isfinite(engine.cache.kv).all()  # its NaN keys and values scrubbed from the slots it held
+
+
+class BreakingMatcher:
+    """A real llguidance matcher that enters an error state at its n-th mask or n-th token, as
+    llguidance does when a grammar exceeds its limits mid-generation."""
+
+    def __init__(self, inner: llguidance.LLMatcher, mask_at: int | None = None, token_at: int | None = None) -> None:
+        self.inner, self.mask_at, self.token_at = inner, mask_at, token_at
+        self.masks = self.tokens = 0
+        self.error = ""
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def unsafe_compute_mask_ptr(self, pointer: int, size: int) -> None:
+        self.masks += 1
+        if self.masks == self.mask_at:
+            self.error = "injected: too many items in a row"
+        self.inner.unsafe_compute_mask_ptr(pointer, size)
+
+    def consume_token(self, token: int) -> bool:
+        self.tokens += 1
+        if self.tokens == self.token_at:
+            self.error = "injected: token not accepted"
+            return False
+        return self.inner.consume_token(token)
+
+    def is_error(self) -> bool:
+        return bool(self.error) or self.inner.is_error()
+
+    def is_stopped(self) -> bool:  # llguidance's stopped includes its error state
+        return self.is_error() or self.inner.is_stopped()
+
+    def get_error(self) -> str:
+        return self.error or self.inner.get_error()
+
+
+@pytest.mark.parametrize("where", [dict(mask_at=1), dict(mask_at=4), dict(token_at=3)])
+def test_a_grammar_failing_mid_generation_is_an_error_not_an_ending(make_engine, monkeypatch, alone, where):
+    engine = make_engine()
+    hostile_grammar = '%llguidance {}\nstart: /[a-z]{3,9}( [a-z]{2,6}){0,5}/'
+    real = engine.core.grammars.matcher
+    monkeypatch.setattr(engine.core.grammars, "matcher",
+                        lambda grammar: BreakingMatcher(real(grammar), **where) if grammar == hostile_grammar else real(grammar))
+    hostile = make_request(random_prompt(5, seed=70), "hostile", max_new_tokens=12, grammar=hostile_grammar)
+    finished, failed = run(engine, bystanders() + [hostile])
+    assert list(failed) == ["hostile"]
+    failure = failed["hostile"]
+    assert (failure.status, failure.error_type, failure.cause) == (422, "validation", "grammar")
+    assert "the grammar failed during generation: injected" in failure.message
+    assert finished == alone
+
+
+def test_a_grammar_llguidance_cannot_mask_fails_alone(make_engine, alone):
+    """Compiles (as the HTTP side's check sees it), then fails on its first mask: refused at
+    admission or failed at its first step, either way an error of its own."""
+    hostile = make_request(random_prompt(5, seed=71), "hostile", max_new_tokens=8,
+                           grammar=llguidance.grammar_from("regex", "(a{1000}){1000}"))
+    finished, failed = run(make_engine(), bystanders() + [hostile])
+    assert list(failed) == ["hostile"] and failed["hostile"].cause == "grammar" and failed["hostile"].status == 422
+    assert finished == alone
+
+
+def test_a_beam_search_that_raises_fails_alone(make_engine, monkeypatch, alone):
+    from model.beam import BeamSearch
+
+    step = BeamSearch.step
+
+    def breaking(self, logits):
+        if self.params.num_beams == 4:  # the hostile request's width; the bystander's is 3
+            raise RuntimeError("injected beam failure")
+        return step(self, logits)
+
+    monkeypatch.setattr(BeamSearch, "step", breaking)
+    hostile = make_request(random_prompt(6, seed=80), "hostile", max_new_tokens=6, num_beams=4)
+    finished, failed = run(make_engine(), bystanders() + [hostile])
+    assert list(failed) == ["hostile"] and failed["hostile"].cause == "beam_search"
+    assert "injected beam failure" in failed["hostile"].message
+    assert finished == alone
+
+
+def test_non_finite_beam_logits_fail_the_beam_request_alone(make_engine, monkeypatch, alone):
+    import service.engine.core as core_module
+
+    advance = core_module.advance_beams
+    monkeypatch.setattr(core_module, "advance_beams", lambda state, logits, *rest: advance(
+        state, logits * math.nan if state.params.num_beams == 4 else logits, *rest))
+    hostile = make_request(random_prompt(6, seed=81), "hostile", max_new_tokens=6, num_beams=4)
+    finished, failed = run(make_engine(), bystanders() + [hostile])
+    assert list(failed) == ["hostile"] and failed["hostile"].cause == "nonfinite_logits"
+    assert finished == alone
+
+
+def test_injection_is_off_unless_configured(monkeypatch):
+    monkeypatch.delenv(faults.INJECT_ENV, raising=False)
+    assert NonfiniteInjection.from_env() is None
+    monkeypatch.setenv(faults.INJECT_ENV, "seed=5,after=2")
+    injection = NonfiniteInjection.from_env()
+    logits = torch.zeros(3, 4)
+    out = injection.apply(logits, [(5, 2), (5, 1), (None, 9)])
+    assert out[0].isnan().all() and torch.isfinite(out[1:]).all()
