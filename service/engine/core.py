@@ -171,7 +171,7 @@ class EngineCore:
                 self._launched = launched
             elif launched is not None:
                 self._postprocess(launched, results)
-            failed += self._fail(results.failed)
+            failed += results.failed
             if self.adapters.unloading:
                 self.free_unloaded_adapters()
         except Exception as exc:  # e.g. out of device memory: fail these requests, keep serving
@@ -227,8 +227,9 @@ class EngineCore:
         try:
             return advance_beams(state, logits, rows.row_of, self.cache)
         except Exception as exc:
-            self.scheduler.end_failed(state)
-            launched.failed.append((state, exc.fault if isinstance(exc, RowFaultError) else beam_failed(exc)))
+            fault = exc.fault if isinstance(exc, RowFaultError) else beam_failed(exc)
+            self.scheduler.end_failed(state, scrub=fault.cause == NONFINITE)
+            launched.failed.append((state, fault))
             return False
 
     def _fail(self, failures: list[tuple[RequestState, RowFault]]) -> list[RequestFailed]:
@@ -240,10 +241,6 @@ class EngineCore:
                 continue
             leaving.append(state)
             log.warning("request %s failed alone (%s): %s", state.request.request_id, fault.cause, fault.message)
-            if fault.cause == NONFINITE:
-                # Non-finite keys and values would poison whichever request reuses these slots
-                # (a masked position's value still meets a zero weight: 0 * NaN is NaN).
-                self.cache.scrub([seq.slot for seq in state.sequences])
             state.reported = True
             self.scheduler.forget(state.request.request_id)
             answers.append(RequestFailed(state.request.request_id, fault.message, fault.status, fault.error_type,
@@ -272,7 +269,6 @@ class EngineCore:
             for s in launched.completing
             if not s.reported
         ]
-        results.failed += launched.failed
         self.reader.read(launched, host, results)
         if launched.rows.drafted:  # what the drafts left: each sequence's length and last token
             drafted = list({id(seq): seq for _, seq in launched.rows.sampled}.values())
@@ -280,9 +276,9 @@ class EngineCore:
                 self.slot_rows.set_length(seq)
             self.sampler.set_last_tokens([seq.slot for seq in drafted], [seq.token_ids[-1] for seq in drafted])
         # Only requests a sequence of which ended here can be done: no pass over every row.
-        failing = {id(state) for state, _ in results.failed}
-        finished = [state for state in {id(s): s for s in launched.ended}.values()
-                    if state.done and not state.reported and id(state) not in failing]
+        if launched.failed:  # before the finished: a failed request is never also done
+            results.failed += self._fail(launched.failed)
+        finished = [state for state in {id(s): s for s in launched.ended}.values() if state.done and not state.reported]
         if finished:
             results.done += [self._finish(state) for state in finished]
             self.scheduler.leave(finished)

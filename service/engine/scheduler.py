@@ -403,15 +403,19 @@ class Scheduler:
         self.cache.free(seq.slot)
         self.prefix.keep(seq.slot, seq.token_ids[: seq.cached], state.scored_prefix, seq.adapter)
 
-    def end_failed(self, state: RequestState) -> None:
+    def end_failed(self, state: RequestState, scrub: bool = False) -> None:
         """A request failed (faults.py): its live sequences leave now, and their slots keep
-        nothing for later prompts (what they hold may be what failed)."""
-        for seq in state.sequences:
-            if seq.finish_reason is None:
-                seq.finish_reason = "error"
-                self.releases += 1
-                self.cache.free(seq.slot)
-                self.prefix.drop(seq.slot)
+        nothing for later prompts (what they hold may be what failed). `scrub`: zero them too,
+        before anyone can be given them (after non-finite values: a later sequence's masked
+        positions still meet them, and 0 * NaN is NaN)."""
+        freed = [seq for seq in state.sequences if seq.finish_reason is None]
+        for seq in freed:
+            seq.finish_reason = "error"
+            self.releases += 1
+            self.cache.free(seq.slot)
+            self.prefix.drop(seq.slot)
+        if scrub and freed:
+            self.cache.scrub([seq.slot for seq in freed])
 
     def adapter_in_use(self, adapter: int) -> bool:
         """Whether a running or waiting request uses the adapter."""

@@ -12,12 +12,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from service.engine.faults import RowFault, grammar_failed, nonfinite
+from service.engine.faults import NONFINITE, RowFault, grammar_failed, nonfinite
 from service.engine.scheduler import RequestState, Scheduler, Sequence
 from service.engine.slot_rows import EOS, LAST, PROMPT_LENGTH
 from service.engine.speculation import kept_length
 from service.engine.step_sampler import LaunchedStep, alternatives
-from service.engine.types import CoreToken, RequestDone, RequestStarted, StepTokens, TopLogprobs
+from service.engine.types import CoreToken, RequestDone, RequestFailed, RequestStarted, StepTokens, TopLogprobs
 
 
 @dataclass
@@ -28,7 +28,7 @@ class StepResults:
     started: list[RequestStarted] = field(default_factory=list)
     done: list[RequestDone] = field(default_factory=list)
     # Requests whose own rows failed (faults.py): each ends alone, the rest of the step goes on.
-    failed: list[tuple[RequestState, RowFault]] = field(default_factory=list)
+    failed: list[RequestFailed] = field(default_factory=list)
     decode_output_tokens: int = 0
     draft_tokens: int = 0
     accepted_tokens: int = 0
@@ -42,7 +42,7 @@ class StepReader:
     def read(self, launched: LaunchedStep, host: np.ndarray, results: StepResults) -> None:
         """Append each sequence's tokens (`host`: the sampler's rows, one per sampled row) and
         report them. The requests a sequence of which ended are added to `launched.ended`."""
-        self._fail_faulty(launched, host, results)
+        self._fail_faulty(launched, host)
         # Row by row where the layout was (beams, drafts, grammars, few rows) or a row needs it
         # (stop token ids, alternatives).
         if launched.rows.facts.per_row or launched.rows.facts.table is None:
@@ -50,7 +50,7 @@ class StepReader:
         else:
             self._batch(launched, host, results)
 
-    def _fail_faulty(self, launched: LaunchedStep, host: np.ndarray, results: StepResults) -> None:
+    def _fail_faulty(self, launched: LaunchedStep, host: np.ndarray) -> None:
         """End the requests of the rows that failed: a grammar's mask at launch, or logits that
         were not finite (their log-probability is NaN or infinite: faults.py). Their rows are
         then skipped like those of any sequence that ended since launch."""
@@ -62,13 +62,13 @@ class StepReader:
         for row, fault in sorted(faults.items()):
             state, seq = launched.rows.sampled[row]
             if seq.finish_reason is None:  # else it ended since launch, and this row is moot
-                self.fail(state, fault, results)
+                self.fail(state, fault, launched)
 
-    def fail(self, state: RequestState, fault: RowFault, results: StepResults) -> None:
-        """The request ends with `fault`: every sequence of it leaves now (what the core then
-        reports: RequestFailed)."""
-        self.scheduler.end_failed(state)
-        results.failed.append((state, fault))
+    def fail(self, state: RequestState, fault: RowFault, launched: LaunchedStep) -> None:
+        """The request ends with `fault`: every sequence of it leaves now (the core then answers
+        it: RequestFailed)."""
+        self.scheduler.end_failed(state, scrub=fault.cause == NONFINITE)
+        launched.failed.append((state, fault))
 
     def _batch(self, launched: LaunchedStep, host: np.ndarray, results: StepResults) -> None:
         """Every row one token with no per-row stop but EOS and length: the stops of the whole
@@ -113,7 +113,7 @@ class StepReader:
             if not seq.draft and seq.drafter is None:  # one token, no draft to judge
                 row = host[start]
                 token = self._advance(state, seq, row, alternatives(row, n, state.params.top_logprobs) if n else None,
-                                      results)
+                                      launched)
                 if token is not None:
                     results.tokens.append(token)
                     if token[4] is not None:  # its finish reason
@@ -127,7 +127,7 @@ class StepReader:
             emitted = 0
             for row in host[start : start + keep]:
                 top = alternatives(row, n, state.params.top_logprobs) if n else None
-                token = self._advance(state, seq, row, top, results)
+                token = self._advance(state, seq, row, top, launched)
                 if token is None:  # its grammar failed: the request has ended
                     break
                 results.tokens.append(token)
@@ -145,14 +145,14 @@ class StepReader:
             start = end
 
     def _advance(
-        self, state: RequestState, seq: Sequence, row: list[float], top: TopLogprobs | None, results: StepResults,
+        self, state: RequestState, seq: Sequence, row: list[float], top: TopLogprobs | None, launched: LaunchedStep,
     ) -> CoreToken | None:
         """Append the token of a sampler's row (`row`: [token, log-prob, ...]) and check its
         stops. None: the request failed on it (its grammar could not take it)."""
         token = int(row[0])
         if seq.matcher is not None and not seq.matcher.consume_token(token):
             # An error, never a grammar that ended: llguidance's stopped state includes errors.
-            self.fail(state, grammar_failed(seq.matcher.get_error() or f"token {token} was not allowed"), results)
+            self.fail(state, grammar_failed(seq.matcher.get_error() or f"token {token} was not allowed"), launched)
             return None
         seq.token_ids.append(token)
         seq.cached = len(seq.token_ids) - 1  # the forward that chose it wrote every earlier token
