@@ -185,7 +185,13 @@ def test_the_comparison_figure_draws_both_curves(compare_client) -> None:
 
 def test_default_per_text_limit_is_the_model_context(compare_client) -> None:
     full = list(range(TINY.n_positions))
-    assert compare_client.post(URL, json={"token_ids": [full], "layers": [0], "compare": False}).status_code == 200
+    response = compare_client.post(URL, json={"token_ids": [full], "layers": [0], "compare": False})
+    assert response.status_code == 200
+    # 128 tokens: long enough for the fast method's iteration on every head, which certifies all
+    # four here (tests/analysis/test_spectral.py holds the count on a realistic set).
+    assert response.json()["fast_method"] == {"iterated": TINY.n_head, "fallbacks": 0}
+    exact = compare_client.post(URL, json={"token_ids": [full], "layers": [0], "compare": False, "method": "exact"})
+    assert exact.json()["fast_method"] is None
     assert_validation_error(
         compare_client.post(URL, json={"token_ids": [full + [1]], "layers": [0]}),
         "token_ids[0]", f"{TINY.n_positions + 1} tokens", f"at most {TINY.n_positions}",
