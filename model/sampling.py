@@ -102,6 +102,8 @@ def seeded_uniform(seed: torch.Tensor, counter: torch.Tensor) -> torch.Tensor:
     per-row seeded generator for a batch (one torch.Generator per row meant a Python loop and one
     kernel per row each step); this is a few vectorised integer ops, and the same on every device.
     int64 multiplication wraps modulo 2^64, which is the arithmetic splitmix64 is defined in.
+    These values are the seed contract (docs/batch-invariance.md): changing them breaks every seed
+    a client recorded.
     """
     x = seed + counter * _GOLDEN_GAMMA  # [B] int64
     x = (x ^ _shift_right(x, 30)) * _MIX_1

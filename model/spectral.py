@@ -3,7 +3,8 @@
 Both return float32 values computed from float32 matrices. `fast` certifies each value to
 FAST_RTOL / 2 relative of the *largest* singular value (see `top_singular_fast`): a matrix it
 cannot certify so, one with negative entries, or one smaller than LAPACK_BELOW, is handed to
-LAPACK.
+LAPACK. The first three are counted (`TopSingular.fallbacks`): the values are LAPACK's, so that
+count is the only place a fast method that stopped certifying shows.
 """
 
 from __future__ import annotations
@@ -47,6 +48,11 @@ class TopSingular:
     # [..., k, n] orthonormal rows, estimates of the top right singular vectors (best last), to
     # warm-start similar matrices; None when LAPACK answered.
     vectors: torch.Tensor | None
+    # Matrices the iteration ran on (0 when LAPACK answered for all of them by design: `exact`,
+    # or smaller than LAPACK_BELOW), and those of them it could not certify and handed to
+    # LAPACK. The values are right either way; a rising count is the fast method failing quietly.
+    iterated: int = 0
+    fallbacks: int = 0
 
 
 def top_singular(
@@ -182,9 +188,10 @@ def top_singular_fast(
     elif bool(certified.any()):
         bound = _perron_upper_bound(A[certified], top_vector[certified])
         certified[certified.clone()] = bound <= theta[certified] * (1 + rtol)
-    if not bool(certified.all()):
+    fallbacks = int((~certified).sum())
+    if fallbacks:
         sigma[~certified] = spectral_norm_exact(A[~certified])
-    return TopSingular(sigma.reshape(batch), ritz_basis.reshape(*batch, width, n))
+    return TopSingular(sigma.reshape(batch), ritz_basis.reshape(*batch, width, n), count, fallbacks)
 
 
 def _perron_upper_bound(A: torch.Tensor, vectors: torch.Tensor) -> torch.Tensor:

@@ -150,12 +150,13 @@ class Analyst:
         handler = {Spectrum: self.spectrum, Attention: self.attention, Lens: self.lens}[type(call)]
         try:
             with self.adapters.using(call.adapter) as adapter:
-                body, media_type = handler(call, adapter)
+                body, media_type, *fast_counts = handler(call, adapter)
         except (Invalid, FigureUnavailable) as exc:
             return Refused("validation", str(exc))
         except UnknownAdapter as exc:
             return Refused("not_found", str(exc))
-        return Done(body.encode() if isinstance(body, str) else body, media_type, time.perf_counter() - started)
+        body = body.encode() if isinstance(body, str) else body
+        return Done(body, media_type, time.perf_counter() - started, *fast_counts)
 
     def manage_adapters(self, call: LoadAdapter | UnloadAdapter | ListAdapters) -> Done | Refused:
         """Run at once on the main thread: reading a folder takes milliseconds, and a change of
@@ -187,10 +188,12 @@ class Analyst:
         except ValueError as exc:
             raise Invalid(str(exc)) from None
         measured = reports(subjects, token_ids, call.method, call.layers)
+        fast = [report["fast_method"] for report in measured if report["fast_method"] is not None]
+        counts = sum(f["iterated"] for f in fast), sum(f["fallbacks"] for f in fast)
         if call.format == "svg":
-            return render_svg(measured), SVG_MEDIA_TYPE
+            return render_svg(measured), SVG_MEDIA_TYPE, *counts
         # Serialised here, once, not by a generic encoder walking every float.
-        return json.dumps(combined(measured), allow_nan=False, separators=(",", ":")), JSON
+        return json.dumps(combined(measured), allow_nan=False, separators=(",", ":")), JSON, *counts
 
     def attention(self, call: Attention, adapter: AppliedAdapter | None):
         maps = attention_maps(self.main.model, call.token_ids, call.layers, adapter)  # [layers, H, T, T]

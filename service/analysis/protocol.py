@@ -82,6 +82,10 @@ class Done(msgspec.Struct, tag=True):
     body: bytes
     media_type: str
     seconds: float  # the analysis itself, for gpt2_analysis_duration_seconds
+    # A spectrum's matrices the fast method iterated on, and those it handed to LAPACK, for
+    # gpt2_analysis_fast_matrices_total (an SVG answer carries no report to read them from).
+    fast_iterated: int = 0
+    fast_fallbacks: int = 0
 
 
 class Refused(msgspec.Struct, tag=True):

@@ -150,6 +150,7 @@ async def gated(request: Request, call) -> Response:
         gate.release()
     if isinstance(answer, Done):
         state.metrics.analysis_duration.observe(answer.seconds)
+        state.metrics.count_fast_matrices(answer.fast_iterated, answer.fast_fallbacks)
         return Response(answer.body, media_type=answer.media_type)
     if isinstance(answer, Refused) and answer.kind == "validation":
         raise validation_error(answer.message)

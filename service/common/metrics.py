@@ -9,6 +9,7 @@ dead ones' included, so totals never go back), the engine's gauges as last repor
 
 Other modules record through a `Metrics` instance (`request.app.state.service.metrics`):
     metrics.analysis_duration.observe(seconds)        # one per /analyze/* request, its analysis work
+    metrics.count_fast_matrices(iterated, fallbacks)  # the fast spectral method's LAPACK fallbacks
 Requests are counted by `RequestMetricsMiddleware` from the route and the response status;
 a handler refines the outcome with `set_outcome(request, "cancelled")`.
 """
@@ -123,6 +124,13 @@ class Metrics:
         self.analysis_duration = Histogram(
             "gpt2_analysis_duration_seconds", "Time to run one /analyze/* request's analysis", buckets=LATENCY_BUCKETS, registry=r
         )
+        self.fast_matrices = Counter(
+            "gpt2_analysis_fast_matrices",
+            "Attention matrices the fast spectral method iterated on: certified, or handed to LAPACK (fallback)",
+            ["result"], registry=r,
+        )
+        for result in ("certified", "fallback"):
+            self.fast_matrices.labels(result=result)
         self.model_info = Info("gpt2_model", "The model being served", registry=r)
 
     def declare_endpoints(self, paths: list[str]) -> None:
@@ -157,6 +165,12 @@ class Metrics:
         self.requests_running.set(stats.running)
         self.requests_waiting.set(stats.waiting)
         self.kv_cache_usage.set(stats.kv_usage_ratio)
+
+    def count_fast_matrices(self, iterated: int, fallbacks: int) -> None:
+        """A rising share of fallbacks is the fast method failing to certify: the values stay
+        right (LAPACK's), only slower (docs/spectrum.md, Methods)."""
+        self.fast_matrices.labels(result="certified").inc(iterated - fallbacks)
+        self.fast_matrices.labels(result="fallback").inc(fallbacks)
 
     def count_request(self, endpoint: str, outcome: Outcome, seconds: float) -> None:
         self.requests.labels(endpoint=endpoint, outcome=outcome).inc()

@@ -183,6 +183,32 @@ def test_the_comparison_figure_draws_both_curves(compare_client) -> None:
     assert "tiny-post-ln" in "".join(root.itertext())
 
 
+def fast_matrices(client) -> dict[str, float]:
+    return {
+        sample.labels["result"]: sample.value
+        for family in text_string_to_metric_families(client.get("/metrics").text)
+        for sample in family.samples
+        if sample.name == "gpt2_analysis_fast_matrices_total"
+    }
+
+
+def test_the_fast_methods_fallbacks_are_reported_and_counted(compare_client) -> None:
+    full = list(range(TINY.n_positions))
+    before = fast_matrices(compare_client)
+    response = compare_client.post(URL, json={"token_ids": [full], "layers": [0], "compare": False})
+    assert response.status_code == 200
+    # 128 tokens: long enough for the fast method's iteration on every head, which certifies all
+    # four here (tests/analysis/test_spectral.py holds the count on a realistic set).
+    assert response.json()["fast_method"] == {"iterated": TINY.n_head, "fallbacks": 0}
+    exact = compare_client.post(URL, json={"token_ids": [full], "layers": [0], "compare": False, "method": "exact"})
+    assert exact.json()["fast_method"] is None
+    figure = compare_client.post(URL, json={"token_ids": [full], "layers": [0], "compare": False, "format": "svg"})
+    assert figure.status_code == 200
+    after = fast_matrices(compare_client)
+    assert after["certified"] == before["certified"] + 2 * TINY.n_head  # the JSON and the SVG answer
+    assert after["fallback"] == before["fallback"]
+
+
 def test_default_per_text_limit_is_the_model_context(compare_client) -> None:
     full = list(range(TINY.n_positions))
     assert compare_client.post(URL, json={"token_ids": [full], "layers": [0], "compare": False}).status_code == 200

@@ -178,24 +178,6 @@ def test_greedy_rows_take_the_argmax_even_beside_sampled_rows():
             assert tokens[row] == logits[row].argmax()
 
 
-def splitmix64(seed: int, counter: int) -> int:
-    """The reference generator in Python's unbounded integers, reduced modulo 2^64 by hand."""
-    mask = (1 << 64) - 1
-    z = (seed + counter * 0x9E3779B97F4A7C15) & mask
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
-    return z ^ (z >> 31)
-
-
-def test_seeded_uniform_is_splitmix64_in_wrapping_int64():
-    seeds = [0, 1, 77, 2**62 + 12345, 2**63 - 1]
-    counters = [0, 1, 5, 1023, 10**6]
-    pairs = [(s, c) for s in seeds for c in counters]
-    ours = seeded_uniform(torch.tensor([s for s, _ in pairs]), torch.tensor([c for _, c in pairs]))
-    expected = torch.tensor([(splitmix64(s, c) >> 11) * 2.0**-53 for s, c in pairs], dtype=torch.float64)
-    assert torch.equal(ours, expected)
-
-
 def test_a_rows_draws_depend_only_on_its_own_seed_and_counter():
     generator = torch.Generator().manual_seed(4)
     probs = torch.rand(5, 100, generator=generator).softmax(-1)  # [B, V]

@@ -29,6 +29,7 @@ FAMILIES = {
     "gpt2_batch_size": "histogram",
     "gpt2_kv_cache_usage_ratio": "gauge",
     "gpt2_analysis_duration_seconds": "histogram",
+    "gpt2_analysis_fast_matrices": "counter",
     "gpt2_constrained_requests": "counter",
     "gpt2_grammar_compile_seconds": "histogram",
     "gpt2_grammar_cache_hits": "counter",
@@ -69,6 +70,7 @@ def test_families_and_types(fresh):
     assert info["dtype"] == "float32" and info["device"] == "cpu"
     # Every (endpoint, outcome) series exists at zero before any request.
     assert value(samples, "gpt2_requests_total", endpoint="/generate", outcome="overloaded") == 0
+    assert value(samples, "gpt2_analysis_fast_matrices_total", result="fallback") == 0
 
 
 def test_counters_agree_with_responses(fresh, tokenizer):
