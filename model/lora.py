@@ -81,7 +81,8 @@ class LoraSet:
         unknown = sorted(set(adapter.sites) - set(self._site_of.values()))
         if unknown:
             raise AdapterError(f"adapter {name!r} adapts {unknown[0]}, which this model does not have")
-        deltas = {site: self._resident(w.a, w.b, w.scaling) for site, w in adapter.sites.items()}
+        # Every tensor is made resident and checked before the name is taken: a refusal changes nothing.
+        deltas = {site: self._resident(name, site, w.a, w.b, w.scaling) for site, w in adapter.sites.items()}
         index = self._adapters.index(None) if None in self._adapters else len(self._adapters)
         if index == len(self._adapters):
             self._adapters.append(None)
@@ -89,10 +90,18 @@ class LoraSet:
         self._index_of[name] = index
         return index
 
-    def _resident(self, a: torch.Tensor, b: torch.Tensor, scaling: float) -> SiteDelta:
+    def _resident(self, name: str, site: str, a: torch.Tensor, b: torch.Tensor, scaling: float) -> SiteDelta:
         if a.requires_grad or b.requires_grad:
             return SiteDelta(a.t(), b.t(), scaling)  # views: gradients reach the trained tensors
-        return SiteDelta(a.t().to(self.device, self.dtype).contiguous(), b.t().to(self.device, self.dtype).contiguous(), scaling)
+        # Finite as read (model/lora_format.py), but a value or a scaling past the model dtype's
+        # range would become inf in it, and NaN in every logit of the adapter's rows.
+        if not abs(scaling) <= torch.finfo(self.dtype).max:
+            raise AdapterError(f"adapter {name!r}: {site}'s scaling {scaling:g} (lora_alpha / r) overflows {self.dtype}")
+        resident = SiteDelta(a.t().to(self.device, self.dtype).contiguous(), b.t().to(self.device, self.dtype).contiguous(), scaling)
+        for half, tensor in (("lora_A", resident.a_t), ("lora_B", resident.b_t)):
+            if not bool(torch.isfinite(tensor).all()):
+                raise AdapterError(f"adapter {name!r}: {site}'s {half} holds values past {self.dtype}'s range")
+        return resident
 
     def remove(self, name: str) -> None:
         """Free the adapter's tensors; its index may be given to the next adapter added, so the

@@ -7,13 +7,15 @@ A folder holds `adapter_config.json` and `adapter_model.safetensors`, whose tens
 flag only when merging into GPT-2's [in, out] Conv1D weight (it forces the flag on for Conv1D).
 
 Anything that would make our forward compute something else than peft's is refused with one
-line naming the option or the tensor (`AdapterError`): a bad adapter must never serve.
+line naming the option or the tensor (`AdapterError`): a bad adapter must never serve. The
+config is read as data by model/lora_config.py; here the tensors are checked against it and
+against the base: names, shapes, ranks, and values (a NaN or inf would reach every logit of a
+request using the adapter).
 """
 
 from __future__ import annotations
 
 import json
-import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,8 +25,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from model.config import GPT2Config
+from model.lora_config import CONFIG_FILE, AdapterError, LoraOptions, one_line, read_config
 
-CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 PICKLE_FILE = "adapter_model.bin"
 PEFT_PREFIX = "base_model.model."
@@ -34,27 +36,6 @@ _TENSOR_KEY = re.compile(
     r"^base_model\.model\.(?P<module>(?:transformer\.)?h\.(?P<layer>\d+)\.(?P<site>attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj))"
     r"\.lora_(?P<half>[AB])\.weight$"
 )
-# Options read here, each checked or applied below.
-_APPLIED = {
-    "peft_type", "r", "lora_alpha", "use_rslora", "fan_in_fan_out", "target_modules", "exclude_modules",
-    "layers_to_transform", "layers_pattern", "rank_pattern", "alpha_pattern", "use_dora", "bias",
-    "init_lora_weights",
-}
-# Options that only shape training or bookkeeping: the trained tensors mean the same without them.
-_NO_EFFECT_ON_INFERENCE = {
-    "base_model_name_or_path", "revision", "task_type", "inference_mode", "lora_dropout", "auto_mapping",
-    "peft_version", "loftq_config", "eva_config", "corda_config", "lora_ga_config", "megatron_config",
-    "megatron_core", "qalora_group_size", "ensure_weight_tying",
-}
-# init_lora_weights values under which peft also rewrites the base weights: the adapter then
-# only means something on that rewritten base, which we do not have.
-_BASE_REWRITING_INITS = ("pissa", "olora", "corda", "loftq")
-
-
-class AdapterError(ValueError):
-    """An adapter folder this model cannot serve; the message is one line saying why."""
-
-
 @dataclass
 class SiteWeights:
     """One adapted Conv1D: its delta is scaling * (x @ a.T) @ b.T."""
@@ -80,110 +61,50 @@ def site_shapes(config: GPT2Config) -> dict[str, tuple[int, int]]:
     return {"attn.c_attn": (C, 3 * C), "attn.c_proj": (C, C), "mlp.c_fc": (C, inner), "mlp.c_proj": (inner, C)}
 
 
-def _truthy(value) -> bool:
-    return value not in (None, False, "", [], {}, "none")
-
-
-def _check_options(config: dict, where: Path) -> None:
-    if config.get("peft_type", "LORA") != "LORA":
-        raise AdapterError(f"{where}: peft_type {config['peft_type']!r} is not supported; only LORA adapters are")
-    if config.get("use_dora"):
-        raise AdapterError(f"{where}: use_dora=true (DoRA) is not supported; only plain LoRA adapters are")
-    if config.get("bias", "none") != "none":
-        raise AdapterError(f"{where}: bias={config['bias']!r} is not supported (the adapter would change the base's biases); only \"none\"")
-    init = config.get("init_lora_weights", True)
-    if isinstance(init, str) and init.lower().startswith(_BASE_REWRITING_INITS):
-        raise AdapterError(f"{where}: init_lora_weights={init!r} rewrites the base weights, which this model does not have")
-    for key, value in sorted(config.items()):
-        if key not in _APPLIED and key not in _NO_EFFECT_ON_INFERENCE and _truthy(value):
-            raise AdapterError(f"{where}: option {key}={json.dumps(value)} is not supported")
-    r, alpha = config.get("r"), config.get("lora_alpha")
-    if not isinstance(r, int) or isinstance(r, bool) or r <= 0:
-        raise AdapterError(f"{where}: r must be a positive integer, got {r!r}")
-    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
-        raise AdapterError(f"{where}: lora_alpha must be a number, got {alpha!r}")
-    pattern = config.get("layers_pattern")
-    if _truthy(pattern) and pattern not in ("h", ["h"]):
-        raise AdapterError(f"{where}: layers_pattern={pattern!r} names no GPT-2 layer list (GPT-2's is \"h\")")
-
-
-def _pattern_value(patterns: dict, module: str, default):
-    """peft's rank_pattern / alpha_pattern lookup: the first key matching the module name's end."""
-    for key, value in (patterns or {}).items():
-        if re.match(rf"(.*\.)?({key})$", module):
-            return value
-    return default
-
-
-def _targeted(config: dict, module: str, layer: int) -> bool:
-    """Whether peft would have put a LoRA layer on `module` (its full name), as peft decides."""
-    excluded = config.get("exclude_modules")
-    if isinstance(excluded, str) and re.fullmatch(excluded, module):
-        return False
-    if isinstance(excluded, list) and any(module == e or module.endswith(f".{e}") for e in excluded):
-        return False
-    targets = config.get("target_modules")
-    if isinstance(targets, str):
-        return re.fullmatch(targets, module) is not None
-    if not any(module == t or module.endswith(f".{t}") for t in targets or ()):
-        return False
-    layers = config.get("layers_to_transform")
-    if layers is None or layers == []:
-        return True
-    return layer in ([layers] if isinstance(layers, int) else layers)
-
-
-def read_config(folder: Path) -> dict:
-    path = folder / CONFIG_FILE
-    if not path.is_file():
-        raise AdapterError(f"{folder}: no {CONFIG_FILE} (not a peft adapter folder)")
-    try:
-        config = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise AdapterError(f"{path}: not valid JSON ({exc})") from None
-    if not isinstance(config, dict):
-        raise AdapterError(f"{path}: expected a JSON object")
-    _check_options(config, path)
-    return config
-
-
 def read_tensors(folder: Path) -> dict[str, torch.Tensor]:
     path = folder / WEIGHTS_FILE
-    if not path.is_file():
+    if not path.is_file():  # the folder's name was checked by read_config
         if (folder / PICKLE_FILE).exists():
-            raise AdapterError(f"{folder}: only {WEIGHTS_FILE} is read, not {PICKLE_FILE} (a pickle, which can run code on load)")
-        raise AdapterError(f"{folder}: no {WEIGHTS_FILE}")
+            raise AdapterError(f"{one_line(folder)}: only {WEIGHTS_FILE} is read, not {PICKLE_FILE} (a pickle, which can run code on load)")
+        raise AdapterError(f"{one_line(folder)}: no {WEIGHTS_FILE}")
     try:
         return load_file(str(path))
     except (SafetensorError, OSError, ValueError) as exc:
-        raise AdapterError(f"{path}: not a readable safetensors file ({exc})") from None
+        raise AdapterError(f"{one_line(path)}: not a readable safetensors file ({one_line(exc)})") from None
 
 
 def read_adapter(folder: str | Path, base: GPT2Config) -> LoraAdapter:
     """The adapter in `folder`, checked against a base of config `base` (AdapterError if not servable)."""
     folder = Path(folder)
-    config = read_config(folder)
+    options = read_config(folder)
     halves: dict[str, dict[str, tuple[str, torch.Tensor]]] = {}
     shapes = site_shapes(base)
     for key, tensor in read_tensors(folder).items():
         match = _TENSOR_KEY.match(key)
         if match is None:
-            raise AdapterError(f"tensor {key}: {_unknown_key_reason(key)}")
+            raise AdapterError(f"tensor {one_line(key)}: {_unknown_key_reason(key)}")
         layer, site, module = int(match["layer"]), match["site"], match["module"]
         if layer >= base.n_layer:
             raise AdapterError(f"tensor {key}: layer {layer}, but the base has {base.n_layer} layers")
-        if not _targeted(config, module, layer):
+        if not options.targeted(module, layer):
             raise AdapterError(f"tensor {key}: {module} is not among the adapter's target_modules/layers_to_transform")
         if not tensor.is_floating_point():
             raise AdapterError(f"tensor {key}: dtype {tensor.dtype} is not floating point")
+        if not _finite(tensor):
+            raise AdapterError(f"tensor {key}: holds non-finite values (NaN or inf)")
         halves.setdefault(f"h.{layer}.{site}", {})[match["half"]] = (key, tensor)
     if not halves:
-        raise AdapterError(f"{folder / WEIGHTS_FILE}: holds no LoRA tensors")
+        raise AdapterError(f"{one_line(folder / WEIGHTS_FILE)}: holds no LoRA tensors")
     sites = {}
     for name, pair in sorted(halves.items()):
         site = name.split(".", 2)[2]
-        sites[name] = _site_weights(config, name, site, pair, shapes[site])
-    return LoraAdapter(sites=sites, config=config)
+        sites[name] = _site_weights(options, name, site, pair, shapes[site])
+    return LoraAdapter(sites=sites, config=options.raw)
+
+
+def _finite(tensor: torch.Tensor) -> bool:
+    # isfinite has no kernel for some one-byte floats (float8_e4m3fn); their float32 copy is small.
+    return bool(torch.isfinite(tensor if tensor.dtype.itemsize > 1 else tensor.float()).all())
 
 
 def _unknown_key_reason(key: str) -> str:
@@ -196,23 +117,25 @@ def _unknown_key_reason(key: str) -> str:
     return "not a LoRA tensor of a GPT-2 block's c_attn, c_proj or c_fc"
 
 
-def _site_weights(config: dict, name: str, site: str, pair: dict, shape: tuple[int, int]) -> SiteWeights:
+def _site_weights(options: LoraOptions, name: str, site: str, pair: dict, shape: tuple[int, int]) -> SiteWeights:
     n_in, n_out = shape
     for half, other in (("A", "B"), ("B", "A")):
         if half not in pair:
             raise AdapterError(f"tensor {pair[other][0]}: its lora_{half} partner is missing")
     (key_a, a), (key_b, b) = pair["A"], pair["B"]
     module = f"transformer.{name}"
-    rank = _pattern_value(config.get("rank_pattern"), module, config["r"])
+    rank = options.rank(module)
+    if rank > min(n_in, n_out):  # past the width a product of rank r adds nothing: a config for another model
+        raise AdapterError(f"{name}: rank {rank} (r or rank_pattern) exceeds the base's {site} width "
+                           f"min({n_in}, {n_out}); a LoRA's rank is at most that")
     if a.dim() != 2 or a.shape[1] != n_in:
         raise AdapterError(f"tensor {key_a}: shape {tuple(a.shape)}, the base's {site} takes {n_in} inputs (expected [r, {n_in}])")
     if b.dim() != 2 or b.shape[0] != n_out:
         raise AdapterError(f"tensor {key_b}: shape {tuple(b.shape)}, the base's {site} gives {n_out} outputs (expected [{n_out}, r])")
     if a.shape[0] != rank or b.shape[1] != rank:
         raise AdapterError(f"tensors {key_a} {tuple(a.shape)} and {key_b} {tuple(b.shape)} do not have the config's rank {rank}")
-    alpha = _pattern_value(config.get("alpha_pattern"), module, config["lora_alpha"])
-    scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
-    return SiteWeights(a=a, b=b, scaling=scaling)
+    # Finite: alpha is a finite number and rank at least 1; whether it fits the model's dtype is LoraSet's check.
+    return SiteWeights(a=a, b=b, scaling=options.scaling(module))
 
 
 def adapter_config(rank: int, alpha: float, target_modules: list[str], base_model: str = "", **extra) -> dict:

@@ -3,12 +3,15 @@
 
 from __future__ import annotations
 
+import json
 import threading
 
 import pytest
 import torch
 from fastapi.testclient import TestClient
+from safetensors.torch import load_file, save_file
 
+from model.lora_format import CONFIG_FILE, WEIGHTS_FILE
 from service.app import create_app
 from tests.engine.conftest import hf_generate
 from tests.model.test_lora import PEFT_CONFIGS, load_reference_model, peft_adapter
@@ -104,3 +107,40 @@ def test_a_request_checked_before_its_adapter_was_unloaded_gets_404_not_500(serv
     finally:
         client.adapters.remove("comedies")
     assert answer.status_code == 404 and "'comedies'" in answer.json()["error"], answer.text
+
+
+def test_a_malformed_adapter_folder_is_refused_and_the_server_goes_on(served, adapter_dirs, tmp_path):
+    """The configs that once killed the engine core (re.error, TypeError, RecursionError) and a
+    NaN tensor: each a 422 naming the problem, the server healthy and generating after all of them."""
+    source = adapter_dirs["later"]
+    deep = 100_000
+    spoiled = {
+        "regex": ('"target_modules": "("', ["target_modules", "not a valid regular expression"]),
+        "layers": ('"layers_to_transform": "abc"', ["layers_to_transform", '"abc"']),
+        "targets": ('"target_modules": 5', ["target_modules", "got 5"]),
+        "rank-key": ('"rank_pattern": {"(": 4}', ["rank_pattern", "not a valid regular expression"]),
+        "alpha-value": ('"alpha_pattern": {"c_attn": "x"}', ["alpha_pattern", '"x"']),
+        "deep": (f'"target_modules": {"[" * deep}{"]" * deep}', ["nested", str(deep + 1)]),
+        "nan": (None, ["lora_B.weight", "non-finite"]),
+    }
+    for name, (option, words) in spoiled.items():
+        folder = tmp_path / name
+        folder.mkdir()
+        for file in source.iterdir():
+            (folder / file.name).write_bytes(file.read_bytes())
+        config = json.loads((folder / CONFIG_FILE).read_text())
+        if option is None:
+            tensors = load_file(str(folder / WEIGHTS_FILE))
+            tensors[next(k for k in tensors if "lora_B" in k)][0, 0] = float("nan")
+            save_file(tensors, str(folder / WEIGHTS_FILE))
+        else:
+            key = option.split(":")[0].strip('"')
+            config.pop(key)
+            (folder / CONFIG_FILE).write_text(json.dumps(config)[:-1] + f", {option}}}")
+        answer = served.post("/v1/load_lora_adapter", json={"lora_name": f"bad-{name}", "lora_path": str(folder)})
+        assert answer.status_code == 422, (name, answer.status_code, answer.text)
+        assert all(word in answer.json()["error"] for word in words), (name, answer.text)
+        assert served.get("/health").status_code == 200
+    assert not any(m["id"].startswith("bad-") for m in served.get("/v1/models").json()["data"])
+    generated = served.post("/generate", json={"inputs": "The quick brown fox", "parameters": {"max_new_tokens": 4}})
+    assert generated.status_code == 200 and generated.json()["generated_text"], generated.text
