@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from service.engine.faults import NONFINITE, RowFault, grammar_failed, nonfinite
+from service.engine.grammar import first_line
 from service.engine.scheduler import RequestState, Scheduler, Sequence
 from service.engine.slot_rows import EOS, LAST, PROMPT_LENGTH
 from service.engine.speculation import kept_length
@@ -152,7 +153,7 @@ class StepReader:
         token = int(row[0])
         if seq.matcher is not None and not seq.matcher.consume_token(token):
             # An error, never a grammar that ended: llguidance's stopped state includes errors.
-            self.fail(state, grammar_failed(seq.matcher.get_error() or f"token {token} was not allowed"), launched)
+            self.fail(state, grammar_failed(first_line(seq.matcher.get_error()) or f"token {token} was not allowed"), launched)
             return None
         seq.token_ids.append(token)
         seq.cached = len(seq.token_ids) - 1  # the forward that chose it wrote every earlier token

@@ -14,7 +14,7 @@ from starlette.concurrency import run_in_threadpool
 
 from service.common.errors import validation_error
 from service.engine.types import MAX_BAD_WORD_TOKENS, GenerationRequest, SamplingParams
-from service.http.grammar import GrammarChecker, openai_grammar, tgi_grammar
+from service.http.grammar import GrammarRequest
 from service.http.schemas import CompletionRequest, TGIParameters
 from service.settings import Settings
 from weights.tokenizer import GPT2Tokenizer
@@ -119,7 +119,8 @@ def check_lengths(prompts: list[Prompt], max_new_tokens: int, limits: Limits) ->
             )
 
 
-def tgi_sampling(p: TGIParameters, limits: Limits, grammars: GrammarChecker) -> SamplingParams:
+def tgi_sampling(p: TGIParameters, limits: Limits, grammar: GrammarRequest | None) -> SamplingParams:
+    """`grammar`: the request's, built (service/http/grammar.py); the route checks it compiles."""
     check_count("num_beams", p.num_beams, limits.max_sequences)
     check_count("num_return_sequences", p.num_return_sequences, limits.max_sequences)
     check_count("best_of", p.best_of or 1, limits.max_sequences)
@@ -144,7 +145,7 @@ def tgi_sampling(p: TGIParameters, limits: Limits, grammars: GrammarChecker) -> 
         prompt_logprobs=p.decoder_input_details,
         top_logprobs=alternatives(p.top_n_tokens or 0, p.num_beams),
         speculate=p.speculate,
-        grammar=tgi_grammar(p, grammars),
+        grammar=grammar.text if grammar is not None else None,
         **decoding_controls(
             limits, p.num_beams, min_p=p.min_p or 0.0, typical_p=p.typical_p or 1.0,
             min_new_tokens=p.min_new_tokens or 0, stop_token_ids=p.stop_token_ids,
@@ -153,7 +154,7 @@ def tgi_sampling(p: TGIParameters, limits: Limits, grammars: GrammarChecker) -> 
     )
 
 
-def openai_sampling(req: CompletionRequest, limits: Limits, grammars: GrammarChecker) -> SamplingParams:
+def openai_sampling(req: CompletionRequest, limits: Limits, grammar: GrammarRequest | None) -> SamplingParams:
     """One request per prompt; `n`/`best_of` become num_return_sequences when sampling."""
     candidates = req.best_of or req.n
     check_count("n", req.n, limits.max_sequences)
@@ -177,7 +178,7 @@ def openai_sampling(req: CompletionRequest, limits: Limits, grammars: GrammarChe
         # One count serves generated and prompt tokens; the route keeps what each asked for.
         top_logprobs=alternatives(max(req.logprobs or 0, req.prompt_logprobs or 0), 1),
         speculate=req.speculate,
-        grammar=openai_grammar(req, grammars),
+        grammar=grammar.text if grammar is not None else None,
         **decoding_controls(
             limits, 1, presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
             logit_bias=req.logit_bias, min_p=req.min_p, typical_p=req.typical_p, min_new_tokens=req.min_tokens,

@@ -24,6 +24,7 @@ from service.http.admission import (
 )
 from service.common.errors import ApiError, error_body
 from service.http.generation import CallStreams
+from service.http.grammar import openai_grammar
 from service.common.metrics import set_outcome
 from service.engine.types import FinishedRequest, FinishedSequence, GenerationRequest, TokenEvent
 from service.http.routes_tgi import CLIENT_GONE, ERRORS
@@ -107,7 +108,9 @@ class Call:
 async def admit(state: ServiceState, body: CompletionRequest) -> Call:
     limits = state.limits
     adapter = state.served_adapter(body.model)  # the base model's name, or a LoRA adapter's
-    params = openai_sampling(body, limits, state.grammars)
+    grammar = openai_grammar(body)
+    params = openai_sampling(body, limits, grammar)
+    await state.grammars.check(grammar)  # compiled with its first masks, off the event loop
     entries = body.prompt_list
     check_count("the number of prompts", len(entries), limits.max_prompts)
     # The schema admits all strings or all token-id lists, never a mix.

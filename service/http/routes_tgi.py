@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse, Response
 from service.http.admission import Prompt, check_count, check_lengths, generation_requests, tgi_sampling, tokenize_off_loop
 from service.common.errors import ApiError, error_body, validation_error
 from service.http.generation import CallStreams
+from service.http.grammar import tgi_grammar
 from service.common.metrics import set_outcome
 from service.engine.types import FinishedRequest, FinishedSequence, GenerationRequest, TokenEvent
 from service.http.scoring import tgi_top_tokens
@@ -82,7 +83,9 @@ async def compat_generate(body: TGIRequest, request: Request) -> Response:
 
 async def admit(state: ServiceState, body: TGIRequest) -> tuple[list[Prompt], list[GenerationRequest]]:
     limits = state.limits
-    params = tgi_sampling(body.parameters, limits, state.grammars)
+    grammar = tgi_grammar(body.parameters)
+    params = tgi_sampling(body.parameters, limits, grammar)
+    await state.grammars.check(grammar)  # compiled with its first masks, off the event loop
     check_count("the number of prompts in inputs", len(body.prompts), limits.max_prompts)
     prompts = await tokenize_off_loop(state.tokenizer, body.prompts, body.parameters.truncate)
     check_lengths(prompts, params.max_new_tokens, limits)

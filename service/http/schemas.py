@@ -76,10 +76,20 @@ def check_prompts(field: str, prompts: list[str] | list[list[int]]) -> None:
 
 
 class TGIGrammar(StrictRequest):
-    """TGI's grammar: a JSON schema (an object, or its JSON text) or a regular expression."""
+    """TGI's grammar: a JSON schema (an object, or its JSON text), TGI 3's named schema
+    (`json_schema`: `{"name": ..., "schema": {...}}`, as OpenAI's response_format carries it) or
+    a regular expression."""
 
-    type: Literal["json", "regex"]
-    value: dict | Text = Field(..., description="json: the schema; regex: the expression")
+    type: Literal["json", "json_schema", "regex"]
+    value: dict | Text = Field(..., description='json: the schema; json_schema: {"name": ..., "schema": {...}}; regex: the expression')
+
+    @model_validator(mode="after")
+    def _named_schema(self) -> "TGIGrammar":
+        if self.type == "json_schema":
+            if not isinstance(self.value, dict):
+                raise ValueError('grammar.value: a json_schema grammar\'s value is {"name": ..., "schema": {...}}')
+            self.value = JsonSchemaFormat.model_validate(self.value)
+        return self
 
 
 class TGIParameters(StrictRequest):

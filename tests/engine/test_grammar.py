@@ -9,9 +9,11 @@ import re
 import time
 
 import jsonschema
+import numpy as np
 import pytest
 
-from service.http.grammar import JSON_DEFAULTS
+from service.engine.grammar import Grammars, bitmask_words
+from service.http.grammar import JSON_DEFAULTS, MAX_OPTIONAL_PROPERTIES
 from tests.engine.conftest import make_request, random_prompt, run_until_idle
 
 import llguidance
@@ -158,7 +160,7 @@ def test_grammars_compile_off_the_step_loop(make_engine, monkeypatch):
     free = make_request([4, 5, 6], max_new_tokens=6)
     constrained = make_request([1, 2, 3], max_new_tokens=40, grammar=schema_grammar(SCHEMAS[0]))
     real = llguidance.LLMatcher
-    monkeypatch.setattr(llguidance, "LLMatcher", lambda *args: (release.wait(30), real(*args))[1])
+    monkeypatch.setattr(llguidance, "LLMatcher", lambda *args, **kwargs: (release.wait(30), real(*args, **kwargs))[1])
     engine.submit([constrained, free])
     done = {}
     for _ in range(8):  # the compile is held: the free request (behind it in the queue) runs to its end
@@ -172,3 +174,90 @@ def test_grammars_compile_off_the_step_loop(make_engine, monkeypatch):
     text = done[constrained.request_id].sequences[0].text
     assert done[constrained.request_id].sequences[0].finish_reason == "eos_token", text
     jsonschema.validate(json.loads(text), SCHEMAS[0])
+
+
+@pytest.fixture(scope="module")
+def grammars(tokenizer) -> Grammars:
+    return Grammars.for_tokenizer(tokenizer, tokenizer.vocab_size)
+
+
+def ref_loop(*names: str) -> dict:
+    """A schema whose $defs refer to one another in a ring and to nothing else: no finite JSON."""
+    defs = {name: {"$ref": f"#/$defs/{names[(i + 1) % len(names)]}"} for i, name in enumerate(names)}
+    return {"$ref": f"#/$defs/{names[0]}", "$defs": defs}
+
+
+def optional_properties(count: int) -> dict:
+    return {"type": "object", "properties": {f"field_{i}": {"type": "integer"} for i in range(count)}}
+
+
+# Grammars that compile in milliseconds and then fail on their first mask or the one after their
+# first token (issue 43's reproducers), each with the reason its refusal names.
+FAILING_GRAMMARS = {
+    "repeated repetition": (llguidance.grammar_from("regex", "(a{1000}){1000}"), "too many expressions"),
+    "empty class": (llguidance.grammar_from("regex", r"[^\s\S]"), "matches no text"),
+    "$ref a→a": (schema_grammar(ref_loop("a")), "matches no text"),
+    "$ref a→b→a": (schema_grammar(ref_loop("a", "b")), "matches no text"),
+    "array of itself": (schema_grammar({"$ref": "#/$defs/a", "$defs": {"a": {"type": "array", "items": {"$ref": "#/$defs/a"},
+                                                                                "minItems": 1}}}), "Too many items"),
+    "2,000 optional properties": (schema_grammar(optional_properties(2000)), "Current row has 8007 items"),
+    "Lark repeated repetition": (llguidance.grammar_from("grammar", "start: /(a{1000}){1000}/"), "too many expressions"),
+    "only the empty text": (llguidance.grammar_from("regex", "(a){0}"), "only the empty text"),
+}
+
+
+def test_grammars_failing_their_first_masks_are_refused_in_the_core_alone(make_engine):
+    """Compiled on the core's worker thread with their first masks (Grammars.prepare/collect):
+    each fails alone before it holds a slot, naming why; the request running beside them does
+    not notice, and a valid grammar submitted with them still runs."""
+    engine = make_engine(max_slots=8)
+    running = make_request([4, 5, 6], max_new_tokens=12)
+    engine.submit([running])
+    engine.step()
+    requests = [(make_request([1, 2, 3], max_new_tokens=16, grammar=grammar), reason) for grammar, reason in FAILING_GRAMMARS.values()]
+    engine.submit([request for request, _ in requests])
+    hostile = {request.request_id: reason for request, reason in requests}
+    valid = make_request([7, 8], max_new_tokens=40, grammar=schema_grammar(SCHEMAS[0]))
+    engine.submit([valid])
+    failed, finished = {}, {}
+    deadline = time.monotonic() + 120  # the compiles run off the step loop: wait in time, not steps
+    while engine.has_work() and time.monotonic() < deadline:
+        output = engine.step()
+        failed.update((f.request_id, f.message) for f in output.failed)
+        finished.update((f.request_id, f.sequences[0]) for f in output.finished)
+    assert set(failed) == set(hostile), failed
+    for request_id, reason in hostile.items():
+        assert reason in failed[request_id], (reason, failed[request_id])
+    assert finished[running.request_id].finish_reason == "length"
+    assert finished[running.request_id].token_ids == make_engine().generate([running])[0].sequences[0].token_ids
+    assert finished[valid.request_id].finish_reason == "eos_token"
+    jsonschema.validate(json.loads(finished[valid.request_id].text), SCHEMAS[0])
+    assert engine.cache.slots_used == 0 and engine.scheduler.waiting_count == 0
+
+
+@pytest.mark.parametrize("name", list(FAILING_GRAMMARS))
+def test_compile_refuses_what_fails_its_first_masks(grammars, name):
+    grammar, reason = FAILING_GRAMMARS[name]
+    with pytest.raises(ValueError, match=re.escape(reason)):
+        grammars.compile(grammar)
+    assert not grammars.cached(grammar)
+
+
+def test_the_row_limit_ends_an_ambiguous_grammar_instead_of_slowing_every_mask(grammars, tokenizer):
+    """An ambiguous grammar's Earley rows grow with its text, and a mask's work with their square:
+    under llguidance's default row limit (2,000) its masks reach seconds before any limit, under
+    ours (LIMITS) the matcher fails within a few hundred tokens, which fails its request alone."""
+    matcher = grammars.matcher(llguidance.grammar_from("grammar", 'start: s\ns: s s | "a"'))
+    bitmask = np.empty(bitmask_words(grammars.vocab_size), dtype=np.int32)
+    [a] = tokenizer.encode("a")
+    for consumed in range(400):
+        matcher.unsafe_compute_mask_ptr(bitmask.ctypes.data, bitmask.nbytes)
+        if matcher.is_error() or not matcher.consume_token(a):
+            break
+    assert matcher.is_error() and "max is 500" in matcher.get_error(), consumed
+
+
+def test_an_object_of_optional_properties_runs_up_to_the_row_limit(grammars):
+    grammars.compile(schema_grammar(optional_properties(MAX_OPTIONAL_PROPERTIES)))
+    with pytest.raises(ValueError, match="Current row has"):
+        grammars.compile(schema_grammar(optional_properties(MAX_OPTIONAL_PROPERTIES + 1)))

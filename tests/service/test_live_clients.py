@@ -13,6 +13,7 @@ from pathlib import Path
 
 import httpx
 import huggingface_hub.constants
+import huggingface_hub.errors
 import jsonschema
 import pytest
 from huggingface_hub import InferenceClient
@@ -53,6 +54,13 @@ def test_hf_text_generation_sends_its_grammar_unchanged(hf):
     text = hf.text_generation(PROMPT, max_new_tokens=20, grammar={"type": "json", "value": schema})
     jsonschema.validate(json.loads(text), schema)
     assert hf.text_generation(PROMPT, max_new_tokens=12, grammar={"type": "regex", "value": "(red|blue)!"}) in ("red!", "blue!")
+    # TGI 3's named schema, a type of the client's own enum.
+    out = hf.text_generation(PROMPT, max_new_tokens=20, details=True, grammar={"type": "json_schema", "value": {"name": "answer", "schema": schema}})
+    assert out.details.finish_reason == "eos_token"
+    jsonschema.validate(json.loads(out.generated_text), schema)
+    # A grammar llguidance cannot run is refused before any token, its reason the client's error.
+    with pytest.raises(huggingface_hub.errors.ValidationError, match="too many expressions"):
+        hf.text_generation(PROMPT, max_new_tokens=16, grammar={"type": "regex", "value": "(a{1000}){1000}"})
 
 
 def test_hf_text_generation_plain_details_and_stream(hf, tokenizer):

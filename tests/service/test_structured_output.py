@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 import time
 
 import jsonschema
 import pytest
 
-from service.http.grammar import MAX_GRAMMAR_CHARS, MAX_SCHEMA_DEPTH
+from service.http.grammar import MAX_GRAMMAR_CHARS, MAX_OPTIONAL_PROPERTIES, MAX_SCHEMA_DEPTH
 
 SCHEMA = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}, "n": {"type": "integer", "minimum": 0, "maximum": 99}},
           "required": ["answer", "n"], "additionalProperties": False}
@@ -157,3 +158,98 @@ def test_metrics_count_constrained_requests_and_cache_hits(client):
     assert value('gpt2_constrained_requests_total{kind="json"}') == before_json + 2
     assert value("gpt2_grammar_cache_hits_total") == before_hits + 1  # the second was compiled already
     assert value("gpt2_grammar_compile_seconds_count") == compiles + 1
+
+
+def ref_loop(*names: str) -> dict:
+    defs = {name: {"$ref": f"#/$defs/{names[(i + 1) % len(names)]}"} for i, name in enumerate(names)}
+    return {"$ref": f"#/$defs/{names[0]}", "$defs": defs}
+
+
+def optional_properties(count: int) -> dict:
+    return {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(count)}}
+
+
+# Issue 43's reproducers: each compiles in milliseconds and then failed on its first masks, in the
+# engine core's step loop, its request answered 200 with a truncated text. Refused now (422, the
+# reason named) before any token.
+FAILING = [
+    ({"type": "regex", "value": "(a{1000}){1000}"}, "fails after its first token 'aaaa': lexer error: too many expressions"),
+    ({"type": "regex", "value": r"[^\s\S]"}, "matches no text"),
+    ({"type": "json", "value": ref_loop("a")}, "matches no text"),
+    ({"type": "json", "value": ref_loop("a", "b")}, "matches no text"),
+    ({"type": "json", "value": {"$ref": "#/$defs/a", "$defs": {"a": {"type": "array", "items": {"$ref": "#/$defs/a"}, "minItems": 1}}}},
+     "fails after its first token '[[': parser error: Too many items"),
+    ({"type": "json", "value": optional_properties(2000)}, f"an object with 2000 optional properties; at most {MAX_OPTIONAL_PROPERTIES}"),
+    ({"type": "json_schema", "value": {"name": "loop", "schema": ref_loop("a")}}, "matches no text"),
+    ({"type": "regex", "value": "(a){0}"}, "matches only the empty text"),
+]
+
+
+@pytest.mark.parametrize("grammar, reason", FAILING, ids=lambda v: v if isinstance(v, str) else v["type"])
+def test_grammars_that_fail_their_first_masks_are_refused_before_any_token(client, grammar, reason):
+    body = {"inputs": "Answer:", "parameters": {"max_new_tokens": 16, "details": True, "grammar": grammar}}
+    response = client.post("/generate", json=body)
+    assert response.status_code == 422, response.text
+    assert response.json()["error"].startswith("grammar") and reason in response.json()["error"], response.json()
+    with client.stream("POST", "/generate_stream", json=body) as stream:
+        assert stream.status_code == 422
+        assert reason in json.loads(stream.read())["error"]
+
+
+@pytest.mark.parametrize("extra, reason", [
+    ({"structured_outputs": {"regex": "(a{1000}){1001}"}}, "too many expressions"),
+    ({"structured_outputs": {"grammar": "start: /(a{1000}){1000}/"}}, "too many expressions"),
+    ({"structured_outputs": {"json": ref_loop("a", "b")}}, "matches no text"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": ref_loop("a")}}}, "matches no text"),
+    ({"structured_outputs": {"regex": r"[^\s\S]"}}, "matches no text"),
+])
+def test_openai_refuses_them_too(client, extra, reason):
+    response = client.post("/v1/completions", json={"model": "gpt2", "prompt": "Answer:", "max_tokens": 16, **extra})
+    assert response.status_code == 422, response.text
+    assert reason in response.json()["error"], response.json()
+
+
+def test_an_object_of_optional_properties_is_served_up_to_its_bound(client):
+    schema = {**optional_properties(MAX_OPTIONAL_PROPERTIES), "additionalProperties": False}
+    response = tgi(client, {"type": "json", "value": schema}, max_new_tokens=8)
+    assert response.status_code == 200, response.text
+    response = tgi(client, {"type": "json", "value": optional_properties(MAX_OPTIONAL_PROPERTIES + 1)})
+    assert response.status_code == 422 and "optional properties" in response.json()["error"]
+
+
+def test_tgi_json_schema_grammar(client):
+    """TGI 3's `json_schema` type (huggingface_hub's client sends it): a named schema."""
+    for seed in range(3):
+        response = tgi(client, {"type": "json_schema", "value": {"name": "answer", "schema": SCHEMA}}, do_sample=True, seed=seed)
+        assert response.status_code == 200, response.text
+        assert response.json()["details"]["finish_reason"] == "eos_token"
+        jsonschema.validate(json.loads(response.json()["generated_text"]), SCHEMA)
+    for value, named in [("not an object", "json_schema grammar's value"), ({"name": "x", "schema": {}, "extra": 1}, "extra")]:
+        response = tgi(client, {"type": "json_schema", "value": value})
+        assert response.status_code == 422 and named in response.text, response.text
+
+
+def test_a_grammar_compiles_off_the_event_loop(client):
+    """While one request's grammar compiles (held here), the server answers others: the compile
+    and its first masks run on a thread of their own, never on the loop that streams tokens."""
+    grammars = client.app.state.service.grammars.grammars
+    compiling, release, compiled = threading.Event(), threading.Event(), threading.Event()
+    real = grammars.compile
+
+    def held(grammar: str):
+        compiling.set()
+        release.wait(30)  # on the event loop (the fault this guards against) the plain call waits this out
+        compiled.set()
+        return real(grammar)
+
+    grammars.compile = held
+    try:
+        held_call = threading.Thread(target=tgi, args=(client, {"type": "regex", "value": "held-[0-9]"}))
+        held_call.start()
+        assert compiling.wait(60)
+        plain = client.post("/generate", json={"inputs": "Q:", "parameters": {"max_new_tokens": 4}})
+        assert plain.status_code == 200 and not compiled.is_set()
+    finally:
+        release.set()
+        grammars.compile = real
+        held_call.join(60)
