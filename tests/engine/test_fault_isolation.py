@@ -10,6 +10,7 @@ import llguidance
 import pytest
 import torch
 
+from model.linear import Conv1D
 from model.lora_format import read_adapter
 from service.engine import faults
 from service.engine.faults import NonfiniteInjection
@@ -86,11 +87,13 @@ def test_nonfinite_logits_fail_their_request_alone(make_engine, monkeypatch, alo
 def test_an_adapter_that_turns_non_finite_at_run_time_fails_only_its_requests(make_engine, tiny_model_dir, tmp_path,
                                                                           alone, tiny_model):
     folder = peft_adapter(tmp_path / "poisoned", tiny_model_dir, seed=0, **PEFT_CONFIGS["all-modules"])
-    adapter = read_adapter(folder, tiny_model.config)
-    for site in adapter.sites.values():  # loaded as valid, its weights broken afterwards
-        site.b = torch.full_like(site.b, math.nan)
     engine = make_engine()
-    engine.core.adapters.set.add("poisoned", adapter)
+    lora = engine.core.adapters.set
+    index = lora.add("poisoned", read_adapter(folder, tiny_model.config))
+    for module in engine.core.model.modules():  # loaded as valid, its resident weights broken afterwards
+        delta = lora.delta(index, module) if isinstance(module, Conv1D) else None
+        if delta is not None:
+            delta.b_t.fill_(math.nan)
     hostile = [make_request(random_prompt(6, seed=50), "greedy-on-it", max_new_tokens=8),
                make_request(random_prompt(6, seed=51), "sampled-on-it", max_new_tokens=8, do_sample=True, seed=2)]
     for request in hostile:
