@@ -88,8 +88,8 @@ def render(results: dict[str, dict]) -> str:
                   "requests whose logits are made non-finite mid-generation in the engine core, failing grammars",
                   "and an adapter unloaded while idle, while greedy streams run; each stream must get its solo",
                   "tokens, the engine core keep its pid, /health answer 200 throughout. Gaps: between a plain",
-                  "stream's tokens, alone and during the chaos (same run).", "",
-                  "| model | plain streams (runs) | hostile requests | statuses they got | /health checks | gap p50 / p99 alone | gap p50 / p99 during | held |",
+                  "stream's tokens, the same streams together without the chaos, then during it (same run).", "",
+                  "| model | plain streams (runs) | hostile requests | statuses they got | /health checks | gap p50 / p99 plain load | gap p50 / p99 during chaos | held |",
                   "|---|---|---|---|---|---|---|---|"]
         for _, c in chaos_runs:
             lines.append(f"| {c['model']} | {c['streams']} ({c['plain_runs']}) | {c['hostile_requests']} | "

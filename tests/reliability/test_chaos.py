@@ -139,6 +139,22 @@ def percentile(values: list[float], q: int) -> float:
     return statistics.quantiles(values, n=100)[q - 1] if len(values) > 1 else 0.0
 
 
+def plain_load(url: str, prompts, rounds: int) -> list[list[float]]:
+    """Each prompt streamed `rounds` times, all prompts at once: their tokens' arrival times."""
+    times: list[list[float]] = []
+
+    def stream(prompt: str) -> None:
+        with httpx.Client(base_url=url, timeout=120) as own:
+            times.extend(stream_tokens(own, prompt)[1] for _ in range(rounds))
+
+    threads = [threading.Thread(target=stream, args=(prompt,)) for prompt in prompts]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(300)
+    return times
+
+
 def test_hostile_requests_fail_alone_beside_plain_streams(tiny_model_dir, default_model_dir, tmp_path):
     model_dir = default_model_dir if SOAK else tiny_model_dir
     good = adapter_folder(tmp_path, model_dir, "good")
@@ -147,7 +163,7 @@ def test_hostile_requests_fail_alone_beside_plain_streams(tiny_model_dir, defaul
     with live_server(model_dir, env=env, api_key="chaos", max_batch_size=8) as server, \
             httpx.Client(base_url=server.url, timeout=120) as client:
         solo = {prompt: stream_tokens(client, prompt)[0] for prompt in PLAIN_PROMPTS[:STREAMS]}
-        baseline = [stream_tokens(client, prompt)[1] for prompt in PLAIN_PROMPTS[:STREAMS]]
+        baseline = plain_load(server.url, solo, rounds=2)  # the same streams, together, with no chaos
         core_pid = server.engine_core_pid()
         health, stop = [], threading.Event()
 
