@@ -103,6 +103,18 @@ class NamedToolChoice(StrictRequest):
     function: NamedFunction
 
 
+class ChatResponseFormat(ResponseFormat):
+    """OpenAI's response_format, or TGI's chat form of it: {"type": "json_object", "value": <schema>}
+    (what huggingface_hub's chat_completion sends for a json_schema)."""
+
+    value: dict | None = Field(None, description="TGI's: the schema of a json_object")
+
+    def as_openai(self) -> ResponseFormat:
+        if self.value is None:
+            return ResponseFormat.model_validate(self.model_dump(by_alias=True, exclude={"value"}))
+        return ResponseFormat(type="json_schema", json_schema={"name": "response", "schema": self.value})
+
+
 class ChatCompletionRequest(StrictRequest):
     model: str = Field(..., max_length=200)
     messages: list[ChatMessage] = Field(..., min_length=1, max_length=MAX_MESSAGES)
@@ -121,7 +133,7 @@ class ChatCompletionRequest(StrictRequest):
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = Field(None, max_length=MAX_LIST, description="token id → -100..100")
     user: str | None = Field(None, max_length=1000)
-    response_format: ResponseFormat | None = None
+    response_format: ChatResponseFormat | None = None
     tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = Field(True, description="false: at most one call with tool_choice required")
@@ -192,6 +204,8 @@ class ChatCompletionRequest(StrictRequest):
         )}
         for name in ("logit_bias", "stop_token_ids", "bad_words_ids", "response_format", "structured_outputs"):
             value = getattr(self, name)
+            if isinstance(value, ChatResponseFormat):
+                value = value.as_openai()
             if value is not None:
                 fields[name] = value if not hasattr(value, "model_dump") else value.model_dump(by_alias=True, exclude_none=True)
         fields["stop"] = self.stop_list or None

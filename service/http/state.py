@@ -17,6 +17,11 @@ from service.http.generation import Generations
 from service.http.grammar import GrammarChecker
 
 
+# The names TGI's clients give for "the model this server serves": huggingface_hub's
+# InferenceClient(base_url=...) sends "dummy", TGI's own docs "tgi" (TGI ignores the name).
+TGI_MODEL_NAMES = ("tgi", "dummy")
+
+
 @dataclass
 class ServiceState(SharedState):
     limits: Limits | None = None
@@ -44,7 +49,7 @@ class ServiceState(SharedState):
         """A request's model or adapter name → its adapter (None: the base model). ApiError 404
         naming it when nothing by that name is served (`error_type`: OpenAI's code for it; TGI's
         clients know only their own kinds, and take "validation")."""
-        if name is None or name == self.settings.model_name:
+        if name is None or name == self.settings.model_name or (name in TGI_MODEL_NAMES and name not in self.adapters):
             return None
         if name in self.adapters:
             return name
