@@ -247,3 +247,15 @@ def test_models_by_id_and_unknown_routes(chat):
         assert unknown.status_code == 404 and kind == "route_not_found"
         assert f"no route POST {path}" in message and "model" not in message
     assert "error_type" in chat.post("/nowhere", json={}).json()  # TGI's shape outside /v1
+
+
+def test_a_dialogpt_shaped_folder_chats_with_its_own_template(tiny_model_dir, tmp_path, tokenizer):
+    """GPT-2's architecture with DialoGPT's tokenizer_config.json: its template, no option needed."""
+    for item in tiny_model_dir.iterdir():
+        (tmp_path / item.name).write_bytes(item.read_bytes())
+    (tmp_path / "tokenizer_config.json").write_text((TEMPLATES / "dialogpt_tokenizer_config.json").read_text())
+    turns = [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "Hi!"}, {"role": "user", "content": "How?"}]
+    with TestClient(create_app(settings_for(tmp_path))) as client:
+        out = chat_ok(client, messages=turns, max_tokens=4, temperature=0)
+    # DialoGPT's template: each turn's text and <|endoftext|>, nothing else.
+    assert out["usage"]["prompt_tokens"] == len(tokenizer.encode("Hello<|endoftext|>Hi!<|endoftext|>How?<|endoftext|>"))

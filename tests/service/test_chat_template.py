@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import shutil
 import time
+import tracemalloc
 from pathlib import Path
 
 import pytest
@@ -143,13 +144,13 @@ HOSTILE = {
     "three loops over one range": "{% set r = range(100000) %}{% for i in r %}{% for j in r %}{% for k in r %}"
                                   "{% endfor %}{% endfor %}{% endfor %}",
     "huge output": "{% for i in range(100000) %}{{ 'x' * 1000 }}{% endfor %}",
-    "one huge string": "{{ 'a' * 1000000000 }}",
+    "one huge string": "{{ 'a' * 100000000 }}",
     "doubling by concatenation": "{% set ns = namespace(x='ab') %}{% for i in range(40) %}{% set ns.x = ns.x ~ ns.x %}"
                                  "{% endfor %}{{ ns.x|length }}",
-    "a wide format": "{{ '%0999999999d' % 1 }}",
-    "a wide format filter": "{{ '%0999999999d'|format(1) }}",
-    "a wide padding": "{{ 'a'.ljust(1000000000) }}",
-    "a wide centre": "{{ 'a'|center(1000000000) }}",
+    "a wide format": "{{ '%099999999d' % 1 }}",
+    "a wide format filter": "{{ '%099999999d'|format(1) }}",
+    "a wide padding": "{{ 'a'.ljust(100000000) }}",
+    "a wide centre": "{{ 'a'|center(100000000) }}",
     "a growing replace": "{% set ns = namespace(x='a' * 1000) %}{% for i in range(30) %}"
                          "{% set ns.x = ns.x|replace('a', 'aaaa') %}{% endfor %}",
     "endless recursion": "{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}",
@@ -161,10 +162,23 @@ HOSTILE = {
 def test_hostile_templates_are_refused_quickly(name):
     # Each would run for minutes, fill the memory or reach Python's internals without its bound.
     template = ChatTemplate(HOSTILE[name], {}, name)
-    with pytest.raises(TemplateError):
-        template.render([{"role": "user", "content": "hi"}])
+    tracemalloc.start()
+    try:
+        with pytest.raises(TemplateError):
+            template.render([{"role": "user", "content": "hi"}])
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    # Refused before the large string is made, not after (100 MB each, without the checks).
+    assert peak < 8 * MAX_RENDER_CHARS, peak
 
 
 def test_a_large_but_bounded_rendering_is_served():
     text = ChatTemplate("{% for i in range(1000) %}{{ 'x' * 1000 }}{% endfor %}", {}, "x").render([])
     assert len(text) == 1_000_000 < MAX_RENDER_CHARS
+
+
+def test_output_past_the_bound_is_refused():
+    # Quick to make (3,000 blocks), but more than the prompt may be.
+    with pytest.raises(TemplateError, match="output passed"):
+        ChatTemplate("{% for i in range(3000) %}{{ 'x' * 1000 }}{% endfor %}", {}, "x").render([])
