@@ -220,7 +220,8 @@ async def stream_chunks(state: ServiceState, call: Call, batch: CallStreams, req
                 for sequence_index in range(body.n // call.copies):
                     index = call.choice_index(request_index, sequence_index)
                     offsets[index] = len(prompt.text)
-                    yield call.text_event(index, prompt.text)
+                    yield sse(call.chunk([{"index": index, "text": prompt.text, "logprobs": None, "finish_reason": None}],
+                                         call.usage(0))) if continuous else call.text_event(index, prompt.text)
         async for arrived in state.generations.events(batch, request, direct):
             chunk = []
             for request_index, items in arrived:

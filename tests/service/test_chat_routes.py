@@ -112,7 +112,7 @@ def test_stream_deltas_make_the_whole_answer_with_usage(chat):
 def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(chat, route):
     body = {"model": "gpt2", "max_tokens": 5, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
-    body.update({"messages": MESSAGES} if "chat" in route else {"prompt": "Once upon a time"})
+    body.update({"messages": MESSAGES} if "chat" in route else {"prompt": "Once upon a time", "echo": True})
     with chat.stream("POST", route, json=body) as response:
         chunks = [c for c in sse_payloads(response.iter_lines()) if c != "[DONE]"]
     assert all("usage" in c for c in chunks)
