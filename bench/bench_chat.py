@@ -6,7 +6,8 @@ see it: one server with a chat template, rounds that alternate the two routes.
 
 Each round sends --streams concurrent streams through /v1/chat/completions (a conversation, the
 server's --chat-template: ChatML by default), then the same number through /v1/completions with
-the prompt's token ids as that template renders them (so the engine gets the same tokens); greedy,
+the prompt's token ids as that template renders them (so the engine gets the same tokens), each
+route first in every other round; greedy,
 ignore_eos, --new-tokens each. Per stream: TTFT (send → the first token's event) and decode
 speed (tokens after the first / seconds after the first). Printed: the medians per route and
 chat/completions, the goal: TTFT and tok/s within 5% (the chat route's extra work is rendering
@@ -85,7 +86,9 @@ def main(argv: list[str] | None = None) -> None:
         server.wait_ready()
         with ThreadPoolExecutor(args.streams) as pool:
             for round_index in range(args.rounds + 1):  # the first round warms up, uncounted
-                for name, (path, body) in routes.items():
+                # Each route goes first in every other round: neither gains from its place.
+                order = list(routes.items()) if round_index % 2 else list(routes.items())[::-1]
+                for name, (path, body) in order:
                     done = list(pool.map(lambda _: stream(server.url, path, body), range(args.streams)))
                     if round_index:
                         results[name] += done
