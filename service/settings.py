@@ -41,6 +41,11 @@ class Settings(BaseSettings):
         " int8 per output channel on FBGEMM) or int4 (CPU, float32 activations: int4 in groups of 64 inputs,"
         " bfloat16 products, int8 token embedding); the /analyze routes always read the float weights",
     )
+    chat_template: str | None = Field(
+        None, max_length=200_000,
+        description="the chat template for /v1/chat/completions: a file's path, or the jinja2 template itself;"
+        " default: the model folder's (chat_template.jinja, or chat_template in tokenizer_config.json)",
+    )
     threads: int | None = Field(None, ge=1, description="torch intra-op threads (CPU); default: torch's choice")
     cuda_graphs: bool = Field(True, description="on CUDA, replay decode steps as CUDA graphs captured at start-up")
     overlap: Literal["auto", "on", "off"] = Field(

@@ -58,13 +58,21 @@ def device() -> torch.device:
     return torch.device(TEST_DEVICE)
 
 
-def assert_validation_error(response, *words: str) -> None:
-    """The service's 422: error_type "validation" and a message naming what is wrong."""
-    assert response.status_code == 422, response.text
+def error_of(response) -> tuple[str, str]:
+    """(kind, message) of an error answer: TGI's shape, or OpenAI's under /v1 (the kind its code)."""
     body = response.json()
-    assert body["error_type"] == "validation", body
+    if isinstance(body["error"], dict):
+        return body["error"]["code"], body["error"]["message"]
+    return body["error_type"], body["error"]
+
+
+def assert_validation_error(response, *words: str) -> None:
+    """The service's 422: kind "validation" and a message naming what is wrong."""
+    assert response.status_code == 422, response.text
+    kind, message = error_of(response)
+    assert kind == "validation", response.json()
     for word in words:
-        assert word in body["error"], (word, body["error"])
+        assert word in message, (word, message)
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -27,6 +27,7 @@ import torch
 from weights.bpe_source import EOS_ID, write_tokenizer_files
 from weights.corpus import HELD_OUT, SDIST, SLICES, Work, load_corpus, without_slices
 from weights.ngram import BigramKneserNey, UnigramAddOne, pairs
+from weights.play_chat import write_template
 from weights.prepare import CACHE_DIR, ORIGIN_FILE, read_origin
 from weights.random_init import write_model_dir
 from weights.tokenizer import GPT2Tokenizer
@@ -66,6 +67,7 @@ def write_folder(out: Path, trainer: Trainer, state: TrainState, record: dict) -
     tensors[embedding_name] = trainer.space.full_embedding(tensors[embedding_name])
     write_model_dir(tmp, replace(trainer.model_config, vocab_size=VOCAB_SIZE), tensors)
     write_tokenizer_files(tmp, CACHE_DIR)
+    write_template(tmp)  # chat clients get a play's lines (weights/play_chat.py)
     (tmp / RECORD_FILE).write_text(json.dumps(record, indent=1) + "\n")
     origin = {
         "source": "trained",

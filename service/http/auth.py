@@ -31,7 +31,7 @@ class BearerAuthMiddleware:
         if not (valid and scheme.lower() == "bearer"):
             response = error_response(
                 401, "authentication", "missing or wrong bearer token (header `Authorization: Bearer <api_key>`)",
-                {"WWW-Authenticate": "Bearer"},
+                {"WWW-Authenticate": "Bearer"}, scope["path"],
             )
             await response(scope, receive, send)
             return

@@ -35,7 +35,7 @@ class BodyLimitMiddleware:
         declared = Headers(scope=scope).get("content-length", "")
         if declared.isdigit() and int(declared) > self.max_bytes:
             # Refused on the header alone: the body is never read.
-            await error_response(413, "payload_too_large", too_large_message(self.max_bytes))(scope, receive, send)
+            await error_response(413, "payload_too_large", too_large_message(self.max_bytes), path=scope["path"])(scope, receive, send)
             return
         received = 0
 

@@ -42,7 +42,7 @@ class DrainMiddleware:
         if self.drain.active and scope["type"] == "http" and scope["path"] not in STILL_SERVED:
             response = error_response(
                 503, "overloaded", "the server is shutting down; retry on another replica",
-                {"Retry-After": self.retry_after, "Connection": "close"},
+                {"Retry-After": self.retry_after, "Connection": "close"}, scope["path"],
             )
             await response(scope, receive, send)
             return

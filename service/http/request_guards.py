@@ -48,7 +48,7 @@ class FramingMiddleware:
             headers = Headers(scope=scope)
             if "content-length" in headers and "transfer-encoding" in headers:
                 message = "a request must not carry both Content-Length and Transfer-Encoding (RFC 9112 §6.3)"
-                response = error_response(400, "validation", message, {"Connection": "close"})
+                response = error_response(400, "validation", message, {"Connection": "close"}, scope["path"])
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
@@ -80,6 +80,6 @@ class HostAllowListMiddleware:
             if not scope.pop(_HOST_ACCEPTED, False):
                 given = Headers(scope=scope).get("host", "")
                 message = f"Host {given!r} is not served here; allowed: {', '.join(self.allowed)}"
-                await error_response(400, "validation", message)(scope, receive, send)
+                await error_response(400, "validation", message, path=scope["path"])(scope, receive, send)
                 return
         await self.app(scope, receive, send)

@@ -7,7 +7,7 @@ the j-th completion of prompt i, as OpenAI numbers them.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
@@ -29,7 +29,7 @@ from service.common.metrics import set_outcome
 from service.engine.types import FinishedRequest, FinishedSequence, GenerationRequest, TokenEvent
 from service.http.routes_tgi import CLIENT_GONE, ERRORS
 from service.http.scoring import completion_logprobs, vllm_prompt_logprobs
-from service.http.schemas import CompletionRequest, CompletionResponse, ModelList
+from service.http.schemas import CompletionRequest, CompletionResponse, ModelCard, ModelList
 from service.http.body_writer import body_writer
 from service.http.sse import DONE, SERVER_SEND, EventStream, encode_json, json_string, sse
 from service.http.state import ServiceState, service_state
@@ -40,12 +40,21 @@ router = APIRouter(prefix="/v1", tags=["OpenAI"])
 
 @router.get("/models", response_model=ModelList, summary="The base model and each LoRA adapter served")
 async def list_models(request: Request) -> dict:
+    return {"object": "list", "data": model_cards(service_state(request))}
+
+
+@router.get("/models/{model_id:path}", response_model=ModelCard, summary="One model served (the base, or a LoRA adapter)")
+async def retrieve_model(model_id: str, request: Request) -> dict:
     state = service_state(request)
+    state.served_adapter(model_id)  # 404 naming what is served
+    return next(card for card in model_cards(state) if card["id"] == model_id)
+
+
+def model_cards(state: ServiceState) -> list[dict]:
     base = state.settings.model_name
     card = {"id": base, "object": "model", "created": int(state.started_at), "owned_by": "gpt2-serve"}
     # Each LoRA adapter as a model of its own, as vLLM lists them: its parent is the base.
-    adapters = [{**card, "id": name, "parent": base} for name in state.adapters]
-    return {"object": "list", "data": [card, *adapters]}
+    return [card, *({**card, "id": name, "parent": base} for name in state.adapters)]
 
 
 @router.post(
@@ -57,24 +66,34 @@ async def list_models(request: Request) -> dict:
 async def completions(body: CompletionRequest, request: Request) -> Response:
     state = service_state(request)
     call = await admit(state, body)
-    if body.stream:
+    return await answer(state, call, request, lambda batch: stream_chunks(state, call, batch, request),
+                        lambda results: completion_body(call, results, state.tokenizer))
+
+
+async def answer(
+    state: ServiceState, call: "Call", request: Request,
+    chunks: Callable[[CallStreams], AsyncIterator[bytes]], whole: Callable[[list[FinishedRequest]], dict],
+) -> Response:
+    """Run an admitted call: streamed (`chunks` of its events) or whole (`whole` of its results)."""
+    if call.body.stream:
         batch = state.generations.submit(call.requests)
-        return EventStream(stream_chunks(state, call, batch, request), on_close=lambda: state.generations.end(batch, request))
+        return EventStream(chunks(batch), on_close=lambda: state.generations.end(batch, request))
     results = await state.generations.complete(call.requests, request)
     if results is None:
         return Response(status_code=CLIENT_GONE)
-    return JSONResponse(completion_body(call, results, state.tokenizer))
+    return JSONResponse(whole(results))
 
 
 class Call:
     """One /v1/completions call: its prompts, engine requests and how they map to choices."""
 
-    def __init__(self, body: CompletionRequest, prompts: list[Prompt], requests: list[GenerationRequest], model: str):
+    def __init__(self, body: CompletionRequest, prompts: list[Prompt], requests: list[GenerationRequest], model: str,
+                 prefix: str = "cmpl"):
         self.body = body
         self.prompts = prompts
         self.requests = requests
         self.model = model
-        self.id = new_request_id("cmpl")
+        self.id = new_request_id(prefix)
         self.created = int(time.time())
         # Greedy n > 1 submits each prompt n times; sampling submits it once with n sequences.
         self.copies = len(requests) // len(prompts)
@@ -105,7 +124,9 @@ class Call:
                 f'"finish_reason": null}}]}}\n\n').encode()
 
 
-async def admit(state: ServiceState, body: CompletionRequest) -> Call:
+async def admit(state: ServiceState, body: CompletionRequest, prefix: str = "cmpl") -> Call:
+    """The one admission of /v1/completions and /v1/chat/completions (`prefix` "chatcmpl": the
+    chat route's, whose prompt is its rendered conversation's token ids)."""
     limits = state.limits
     adapter = state.served_adapter(body.model)  # the base model's name, or a LoRA adapter's
     grammar = openai_grammar(body)
@@ -120,8 +141,8 @@ async def admit(state: ServiceState, body: CompletionRequest) -> Call:
         prompts = prompts_from_ids(state.tokenizer, entries, limits)
     check_lengths(prompts, params.max_new_tokens, limits)
     copies = body.n if params.num_return_sequences == 1 else 1
-    requests = generation_requests([p for p in prompts for _ in range(copies)], params, "cmpl", adapter)
-    return Call(body, prompts, requests, body.model)
+    requests = generation_requests([p for p in prompts for _ in range(copies)], params, prefix, adapter)
+    return Call(body, prompts, requests, body.model, prefix)
 
 
 # --- whole answers -------------------------------------------------------------------------------
@@ -185,10 +206,13 @@ async def stream_chunks(state: ServiceState, call: Call, batch: CallStreams, req
     body, tokenizer = call.body, state.tokenizer
     offsets: dict[int, int] = {}  # choice index → characters sent so far (text_offset)
     generated = 0
+    so_far = 0  # tokens streamed, for vLLM's continuous_usage_stats
     # The core reader may write the per-token text events itself (service/http/body_writer.py):
     # when they are plain (no logprobs, so no offsets to keep) and the call has one sequence (more
     # would each be a write, where the stream writes what a step brings a call at once).
-    plain = body.logprobs is None and len(call.requests) == 1 and body.n == 1
+    options = body.stream_options
+    continuous = options is not None and options.continuous_usage_stats
+    plain = body.logprobs is None and len(call.requests) == 1 and body.n == 1 and not continuous
     writer = body_writer(request.scope.get(SERVER_SEND)) if plain else None
     direct = writer.token_sink(lambda event: call.text_event(call.choice_index(0, event.sequence_index), event.text)) \
         if writer is not None else None
@@ -199,7 +223,8 @@ async def stream_chunks(state: ServiceState, call: Call, batch: CallStreams, req
                 for sequence_index in range(body.n // call.copies):
                     index = call.choice_index(request_index, sequence_index)
                     offsets[index] = len(prompt.text)
-                    yield call.text_event(index, prompt.text)
+                    yield sse(call.chunk([{"index": index, "text": prompt.text, "logprobs": None, "finish_reason": None}],
+                                         call.usage(0))) if continuous else call.text_event(index, prompt.text)
         async for arrived in state.generations.events(batch, request, direct):
             chunk = []
             for request_index, items in arrived:
@@ -208,14 +233,15 @@ async def stream_chunks(state: ServiceState, call: Call, batch: CallStreams, req
                         index = call.choice_index(request_index, item.sequence_index)
                         start = offsets.get(index, 0)
                         offsets[index] = start + len(item.text)
-                        if body.logprobs is None:
+                        so_far += 1
+                        if body.logprobs is None and not continuous:
                             chunk.append(call.text_event(index, item.text))
                             continue
-                        logprobs = completion_logprobs(
+                        logprobs = None if body.logprobs is None else completion_logprobs(
                             [item.token_id], [item.logprob], [item.top_logprobs], body.logprobs, start, tokenizer
                         )
                         chunk.append(sse(call.chunk([{"index": index, "text": item.text, "logprobs": logprobs,
-                                                      "finish_reason": None}])))
+                                                      "finish_reason": None}], call.usage(so_far) if continuous else None)))
                     elif isinstance(item, FinishedRequest):
                         generated += item.generated_tokens
                         finals = [
@@ -223,11 +249,11 @@ async def stream_chunks(state: ServiceState, call: Call, batch: CallStreams, req
                              "finish_reason": openai_finish_reason(seq.finish_reason)}
                             for j, seq in enumerate(item.sequences)
                         ]
-                        chunk.append(sse(call.chunk(finals)))
+                        chunk.append(sse(call.chunk(finals, call.usage(so_far) if continuous else None)))
             yield b"".join(chunk)
-        if body.stream_options is not None and body.stream_options.include_usage:
+        if options is not None and options.include_usage:
             yield sse(call.chunk([], call.usage(generated)))
         yield DONE
     except ApiError as exc:
         set_outcome(request, "error")
-        yield sse(error_body(exc.error_type, exc.message))
+        yield sse(error_body(exc.error_type, exc.message, "/v1/completions", exc.status))

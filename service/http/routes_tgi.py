@@ -89,7 +89,7 @@ async def admit(state: ServiceState, body: TGIRequest) -> tuple[list[Prompt], li
     check_count("the number of prompts in inputs", len(body.prompts), limits.max_prompts)
     prompts = await tokenize_off_loop(state.tokenizer, body.prompts, body.parameters.truncate)
     check_lengths(prompts, params.max_new_tokens, limits)
-    adapter = state.served_adapter(body.parameters.adapter_id)
+    adapter = state.served_adapter(body.parameters.adapter_id, "validation")
     return prompts, generation_requests(prompts, params, "tgi", adapter)
 
 

@@ -244,8 +244,21 @@ class StreamResponse(BaseModel):
 # ---------------------------------------------------------------------------------------------
 
 
+def text_list(value: str | list[str] | None) -> list[str]:
+    """OpenAI's `stop`: none, one string or a list, as a list."""
+    if value is None:
+        return []
+    return [value] if isinstance(value, str) else list(value)
+
+
+def check_stop_strings(stops: list[str]) -> None:
+    if len(stops) > 64 or any(not s or len(s) > MAX_STOP_CHARS for s in stops):
+        raise ValueError(f"stop: at most 64 strings of 1 to {MAX_STOP_CHARS} characters")
+
+
 class StreamOptions(StrictRequest):
-    include_usage: bool = False
+    include_usage: bool = Field(False, description="a last chunk with the call's usage")
+    continuous_usage_stats: bool = Field(False, description="vLLM's: every chunk carries the usage so far")
 
 
 class JsonSchemaFormat(StrictRequest):
@@ -331,9 +344,7 @@ class CompletionRequest(StrictRequest):
             raise ValueError("logit_bias values must be between -100 and 100")
         if self.suffix:
             raise ValueError("suffix is not supported: GPT-2 cannot fill in the middle")
-        stops = self.stop_list
-        if len(stops) > 64 or any(not s or len(s) > MAX_STOP_CHARS for s in stops):
-            raise ValueError(f"stop: at most 64 strings of 1 to {MAX_STOP_CHARS} characters")
+        check_stop_strings(self.stop_list)
         if self.best_of is not None and self.best_of < self.n:
             raise ValueError(f"best_of ({self.best_of}) must be at least n ({self.n})")
         if self.stream and (self.best_of or self.n) > self.n:
@@ -345,9 +356,7 @@ class CompletionRequest(StrictRequest):
 
     @property
     def stop_list(self) -> list[str]:
-        if self.stop is None:
-            return []
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+        return text_list(self.stop)
 
     @property
     def prompt_list(self) -> list[str | list[int]]:

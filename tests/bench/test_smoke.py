@@ -139,6 +139,12 @@ def test_bench_http_cpu(tiny_model_dir):
     assert_columns(out, "round 0: HTTP CPU ms per token, old", "new / old: median")
 
 
+def test_bench_chat_streams_both_routes_to_the_end(tiny_model_dir):
+    # Every stream of both routes gave all its tokens (else it exits 1), and the ratio is printed.
+    out = run_bench("bench_chat", "--smoke", "--model-dir", tiny_model_dir, "--threads", 1)
+    assert_columns(out, "chat ", "completions ", "chat/completions: TTFT")
+
+
 def test_grammar_engines_measures_the_served_engine():
     # The other candidates are the benchmark's own optional installs: a fresh venv has llguidance only.
     out = run_bench("grammar_engines", "--smoke", "--engines", "llguidance")

@@ -90,7 +90,17 @@ def well_formed_error(response: httpx.Response) -> bool:
         body = response.json()
     except ValueError:
         return False
-    return isinstance(body, dict) and isinstance(body.get("error"), str) and isinstance(body.get("error_type"), str)
+    return is_error_body(body)
+
+
+def is_error_body(body: object) -> bool:
+    """TGI's {error, error_type}, or OpenAI's {error: {message, type, param, code}} (the /v1 routes')."""
+    if not isinstance(body, dict):
+        return False
+    error = body.get("error")
+    if isinstance(error, dict):
+        return all(isinstance(error.get(key), str) for key in ("message", "type", "code"))
+    return isinstance(error, str) and isinstance(body.get("error_type"), str)
 
 
 def stream_verdict(kind: str, lines: list[str]) -> str:
@@ -104,7 +114,7 @@ def stream_verdict(kind: str, lines: list[str]) -> str:
             last = json.loads(events[-1])
         except ValueError:
             return "malformed"
-        if isinstance(last.get("error"), str) and isinstance(last.get("error_type"), str):
+        if is_error_body(last):
             return "error_event"
     if kind == "completion_stream":
         complete = events[-1] == "[DONE]" and any('"finish_reason": "' in e for e in events)

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -22,11 +23,13 @@ EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "30"))
 SEED = 20261123  # reproducible in CI; a failure prints the curl command that reproduces it
 CHECKS = "not_a_server_error,response_schema_conformance,content_type_conformance"
 TIME_LIMIT_S = 300
+CHATML = Path(__file__).parents[1] / "service" / "chat_templates" / "chatml.jinja"
 
 
 def test_schema_driven_fuzzing_finds_no_server_error(tiny_model_dir, tmp_path):
     report = tmp_path / "schemathesis.json"
-    with live_server(tiny_model_dir) as server:
+    # With a chat template, so that /v1/chat/completions renders what the fuzzer sends.
+    with live_server(tiny_model_dir, chat_template=str(CHATML)) as server:
         run = subprocess.run(
             [sys.executable, "-m", "schemathesis.cli", "run", server.url + "/openapi.json", "--checks", CHECKS,
              "--max-examples", str(EXAMPLES), "--seed", str(SEED), "--request-timeout", "60",

@@ -92,6 +92,9 @@ def test_hf_client_raises_its_validation_error(hf):
 
     with pytest.raises(ValidationError, match="top_p"):
         hf.text_generation(PROMPT, max_new_tokens=4, top_p=3.0)
+    # An adapter not served: one of TGI's error kinds, so the client raises its own class for it.
+    with pytest.raises(ValidationError, match="'nope' is not served"):
+        hf.text_generation(PROMPT, max_new_tokens=4, adapter_id="nope")
 
 
 def test_openai_completions_plain_and_stream(oai, hf):
@@ -112,14 +115,13 @@ def test_openai_client_sees_422_as_unprocessable_and_404_for_a_model_not_served(
 
     with pytest.raises(UnprocessableEntityError) as raised:
         oai.completions.create(model="gpt2", prompt=PROMPT, max_tokens=2, temperature=9.0)
-    # The service's one error shape, not OpenAI's nested one: the message is in body["error"].
-    body = raised.value.response.json()
-    assert body["error_type"] == "validation" and "temperature" in body["error"]
+    # OpenAI's error shape on /v1: the client reads the message, type, param and code from it.
+    assert raised.value.code == "validation" and raised.value.type == "invalid_request_error"
+    assert "temperature" in raised.value.message and raised.value.param == "temperature"
     # As OpenAI answers a model that does not exist (and vLLM an adapter it has not loaded).
     with pytest.raises(NotFoundError) as raised:
         oai.completions.create(model="davinci", prompt=PROMPT, max_tokens=2)
-    body = raised.value.response.json()
-    assert body["error_type"] == "not_found" and "'davinci' is not served" in body["error"]
+    assert raised.value.code == "model_not_found" and "'davinci' is not served" in raised.value.message
 
 
 # --- Prometheus --------------------------------------------------------------------------------

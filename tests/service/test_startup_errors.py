@@ -47,3 +47,10 @@ def test_a_config_nested_too_deeply_is_one_line(tiny_model_dir, tmp_path):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this torch has CUDA: --device cuda is servable")
 def test_cuda_on_a_cpu_build_of_torch_is_one_line(tiny_model_dir):
     assert "cuda" in start("--model-dir", str(tiny_model_dir), "--device", "cuda").lower()
+
+
+def test_a_chat_template_that_cannot_serve_is_one_line(tiny_model_dir, tmp_path):
+    assert "no such file" in start("--model-dir", str(tiny_model_dir), "--chat-template", "missing.jinja")
+    assert "does not parse" in start("--model-dir", str(tiny_model_dir), "--chat-template", "{% for %}")
+    folder = broken_copy(tiny_model_dir, tmp_path, "chat_template.jinja", "{{ messages ")
+    assert "chat_template.jinja" in start("--model-dir", str(folder))

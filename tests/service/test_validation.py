@@ -104,8 +104,9 @@ def test_openai_invalid_422(client, body, words):
 def test_a_model_not_served_is_404_naming_what_is(client):
     # As OpenAI answers a model that does not exist (and vLLM an adapter it has not loaded).
     response = client.post("/v1/completions", json={"model": "gpt-4", "prompt": "x"})
-    assert response.status_code == 404 and response.json()["error_type"] == "not_found"
-    assert "'gpt-4' is not served" in response.json()["error"] and "'gpt2'" in response.json()["error"]
+    error = response.json()["error"]  # OpenAI's shape, with its code for it
+    assert response.status_code == 404 and error["code"] == "model_not_found" and error["type"] == "invalid_request_error"
+    assert "'gpt-4' is not served" in error["message"] and "'gpt2'" in error["message"]
 
 
 def test_malformed_json_is_a_validation_error(client):

@@ -18,6 +18,7 @@ from tests.weights.conftest import HELD
 from weights.checkpoint import load_model
 from weights.post_ln import load_post_ln_model
 from weights.prepare import ORIGIN_FILE, read_origin
+from weights.play_chat import PLAY_TEMPLATE
 from weights.train import RECORD_FILE, VOCAB_SIZE, write_folder
 from weights.trainer import TiedCrossEntropy, TrainConfig, Trainer, heldout_windows
 
@@ -59,6 +60,7 @@ def test_folder_loads_and_matches_transformers(micro_run, tokenizer):
     assert read_origin(out)["source"] == "trained" and read_origin(out)["steps"] == MICRO.steps
     record = json.loads((out / RECORD_FILE).read_text())
     assert record["config"]["n_layer"] == MICRO.n_layer and len(record["train_loss"]) == MICRO.steps
+    assert (out / "chat_template.jinja").read_text() == PLAY_TEMPLATE  # chat clients get a play's lines
 
 
 def test_restricted_softmax_is_the_written_models_full_softmax(micro_run, streams):
