@@ -60,8 +60,10 @@ class LiveServer:
 
 
 @contextmanager
-def live_server(model_dir: Path, open_files: int | None = None, **flags) -> Iterator[LiveServer]:
-    """`open_files`: the server's file-descriptor limit (RLIMIT_NOFILE), to reach it with few connections."""
+def live_server(model_dir: Path, open_files: int | None = None, env: dict[str, str] | None = None,
+                startup_s: float = STARTUP_TIMEOUT_S, **flags) -> Iterator[LiveServer]:
+    """`open_files`: the server's file-descriptor limit (RLIMIT_NOFILE), to reach it with few connections;
+    `env`: variables set in its environment (GPT2_* ones included); `startup_s`: how long it may take to start."""
     port = free_port()
     if API_SERVERS is not None:
         flags.setdefault("api_servers", API_SERVERS)
@@ -74,12 +76,12 @@ def live_server(model_dir: Path, open_files: int | None = None, **flags) -> Iter
             command += ["--" + flag, str(value)]
     limit = None if open_files is None else (lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (open_files, open_files)))
     process = subprocess.Popen(
-        command, cwd=REPO, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        command, cwd=REPO, env={**clean_env(), **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         preexec_fn=limit,
     )
     server = LiveServer(process, port)
     try:
-        wait_until(lambda: _healthy(server), STARTUP_TIMEOUT_S, "the server to answer /health")
+        wait_until(lambda: _healthy(server), startup_s, "the server to answer /health")
         yield server
     finally:
         if process.poll() is None:
