@@ -151,7 +151,8 @@ fuzz-invariance: weights
 	$(PY) -m tests.engine.invariance_fuzz --cases $(FUZZ_CASES) $(if $(FUZZ_SEED),--seed $(FUZZ_SEED))
 
 # Runs the reliability tests (load, faults, fuzzing, hostile inputs) and rewrites RELIABILITY.md
-# from what they measured. RELIABILITY_SOAK=1 for the long soak.
+# from what they measured. RELIABILITY_SOAK=1 for the long soak (with the engine core's 20-minute
+# memory soak, tests/reliability/test_memory_soak.py).
 reliability: weights
 	$(PY) -m tests.reliability.report
 

@@ -28,6 +28,7 @@ from service.engine.gc_heap import freeze_startup_heap
 from service.engine.adapters import UnknownAdapter
 from service.engine.core import EngineConfig, EngineCore
 from service.engine.grammar import Grammars
+from service.engine.memory import bound_core_memory
 from service.engine.protocol import (
     AbortRequests,
     AdapterCommand,
@@ -80,6 +81,7 @@ def run_core(config: CoreProcessConfig) -> None:
         sock.connect(address)
     loop = CoreLoop(inputs, outputs, parent)
     try:
+        bound_core_memory()  # before the model: its caches are sized when first used
         loop.core = build_core(config)
         freeze_startup_heap("engine core")
         loop.send_all(CoreReady(os.getpid(), loop.core.adapters.names))

@@ -12,6 +12,7 @@ import argparse
 import json
 import platform
 import shutil
+import statistics
 import sys
 import time
 
@@ -58,6 +59,21 @@ def load_row(name: str, r: dict) -> str:
             f"{fmt_s(r['p99_s'])} | {memory} | {r['faults']} | {held} |")
 
 
+def memory_section(m: dict) -> list[str]:
+    """The soak's RSS curve as the median of each tenth of its samples (one sample may catch a
+    long prompt's activations alive)."""
+    values = [mb for _, mb in m["rss_mb"]]
+    tenth = max(1, len(values) // 10)
+    medians = [statistics.median(values[i:i + tenth]) for i in range(0, len(values) - tenth + 1, tenth)]
+    return ["## Memory under a long mixed load", "",
+            f"{m['clients']} clients of mixed traffic (plain, `typical_p`, a JSON grammar, log-probs with alternatives, "
+            f"OpenAI echo, streams left after a few tokens; prompts up to ~700 tokens) for {m['seconds'] / 60:.0f} min "
+            f"against the default server (`--threads {m['threads']}`) on {m['cpu']}: {m['requests']} requests, "
+            f"{m['errors']} errors. The engine core's RSS, median of each tenth of the run (MB): "
+            f"{' → '.join(f'{v:.0f}' for v in medians)} (highest sample {max(values):.0f}); over the last half "
+            f"{100 * m['growth_over_last_half']:+.1f}% (must stay under 2%: tests/reliability/test_memory_soak.py)."]
+
+
 def render(results: dict[str, dict]) -> str:
     lines = ["# Reliability", "",
              "What was tried against a live `python -m service` on loopback, and what held. Written by",
@@ -96,6 +112,8 @@ def render(results: dict[str, dict]) -> str:
                          f"{', '.join(map(str, c['statuses']))} | {c['health_checks']}, all 200 | "
                          f"{c['gap_p50_alone_ms']:.1f} / {c['gap_p99_alone_ms']:.1f} ms | "
                          f"{c['gap_p50_during_ms']:.1f} / {c['gap_p99_during_ms']:.1f} ms | yes |")
+    if "memory_soak" in results:
+        lines += ["", *memory_section(results["memory_soak"])]
     if "fuzz" in results:
         f = results["fuzz"]
         lines += ["", "## Fuzzing", "",

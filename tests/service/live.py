@@ -61,9 +61,9 @@ class LiveServer:
 
 @contextmanager
 def live_server(model_dir: Path, open_files: int | None = None, env: dict[str, str] | None = None,
-                **flags) -> Iterator[LiveServer]:
+                startup_s: float = STARTUP_TIMEOUT_S, **flags) -> Iterator[LiveServer]:
     """`open_files`: the server's file-descriptor limit (RLIMIT_NOFILE), to reach it with few connections;
-    `env`: variables added to the server's (clean) environment."""
+    `env`: variables set in its environment (GPT2_* ones included); `startup_s`: how long it may take to start."""
     port = free_port()
     if API_SERVERS is not None:
         flags.setdefault("api_servers", API_SERVERS)
@@ -81,7 +81,7 @@ def live_server(model_dir: Path, open_files: int | None = None, env: dict[str, s
     )
     server = LiveServer(process, port)
     try:
-        wait_until(lambda: _healthy(server), STARTUP_TIMEOUT_S, "the server to answer /health")
+        wait_until(lambda: _healthy(server), startup_s, "the server to answer /health")
         yield server
     finally:
         if process.poll() is None:
