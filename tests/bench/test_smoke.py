@@ -68,6 +68,12 @@ def test_bench_lora_serves_clients_on_adapters_and_base(tiny_model_dir):
     assert_columns(out, "clients on", "base", "adapters", "adapters / base:", "one resident adapter:")
 
 
+def test_bench_hostile_refuses_every_hostile_grammar_beside_streams(tiny_model_dir):
+    # Exits 1 when a hostile grammar was answered 2xx (or 5xx) or a plain stream failed.
+    out = run_bench("bench_hostile", "--smoke", "--model-dir", tiny_model_dir)
+    assert_columns(out, "p99 / plain", "plain", "grammars", "hostile answers: statuses [422]", "p99 with hostile grammars")
+
+
 def test_profile_decode(tiny_model_dir):
     out = run_bench("profile_decode", "--model-dir", tiny_model_dir, "--threads", 1, "--steps", 1, "--context", 16,
                     "--engine", "--batch", 2)
