@@ -76,7 +76,19 @@ system-deps:
 	  else echo "warning: not root, cannot apt-get install $(SYSTEM_PACKAGES); their tests will be skipped"; fi; \
 	fi
 
-test: weights system-deps
+# Clients whose pins clash with the test venv's (guidellm, instructor: tests/clients/requirements.txt)
+# get a venv of their own; the live tests drive them there as subprocesses (test_live_client_venv.py).
+CLIENTS_VENV := .venv-clients
+CLIENTS_PY   := $(CLIENTS_VENV)/bin/python
+
+$(CLIENTS_VENV)/.installed: tests/clients/requirements.txt
+	rm -rf $(CLIENTS_VENV)
+	$(PYTHON) -m venv $(CLIENTS_VENV)
+	$(CLIENTS_PY) -m pip install --quiet $(TORCH_CPU)
+	$(CLIENTS_PY) -m pip install --quiet -r tests/clients/requirements.txt
+	touch $@
+
+test: weights system-deps $(CLIENTS_VENV)/.installed
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 # The dependency floors stay true: pyproject.toml's floors (tests/floors.py pins each `>=` as `==`,
@@ -157,4 +169,4 @@ reliability: weights
 	$(PY) -m tests.reliability.report
 
 clean:
-	rm -rf $(VENV) $(FLOORS_VENV) weights/gpt2 weights/gpt2.partial weights/shakespeare weights/shakespeare.partial $(LORA_BASE) weights/lora-poems weights/lora-comedies weights/.cache
+	rm -rf $(VENV) $(FLOORS_VENV) $(CLIENTS_VENV) weights/gpt2 weights/gpt2.partial weights/shakespeare weights/shakespeare.partial $(LORA_BASE) weights/lora-poems weights/lora-comedies weights/.cache
