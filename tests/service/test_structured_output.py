@@ -13,6 +13,7 @@ import jsonschema
 import pytest
 
 from service.http.grammar import MAX_GRAMMAR_CHARS, MAX_OPTIONAL_PROPERTIES, MAX_SCHEMA_DEPTH
+from tests.conftest import error_of
 
 SCHEMA = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}, "n": {"type": "integer", "minimum": 0, "maximum": 99}},
           "required": ["answer", "n"], "additionalProperties": False}
@@ -206,7 +207,7 @@ def test_grammars_that_fail_their_first_masks_are_refused_before_any_token(clien
 def test_openai_refuses_them_too(client, extra, reason):
     response = client.post("/v1/completions", json={"model": "gpt2", "prompt": "Answer:", "max_tokens": 16, **extra})
     assert response.status_code == 422, response.text
-    assert reason in response.json()["error"], response.json()
+    assert reason in error_of(response)[1], response.json()
 
 
 def test_an_object_of_optional_properties_is_served_up_to_its_bound(client):
