@@ -55,11 +55,13 @@ class StepReader:
         """End the requests of the rows that failed: a grammar's mask at launch, or logits that
         were not finite (their log-probability is NaN or infinite: faults.py). Their rows are
         then skipped like those of any sequence that ended since launch."""
+        bad = np.flatnonzero(~np.isfinite(host[:, 1])).tolist() if len(host) else []
+        if not bad and not launched.faults:  # every step but a failing one: one array check, no dict
+            return
         faults = dict(launched.faults)
-        if len(host):
-            for row in np.flatnonzero(~np.isfinite(host[:, 1])).tolist():
-                _, seq = launched.rows.sampled[row]
-                faults.setdefault(row, nonfinite(len(seq.token_ids) - seq.prompt_length + 1))
+        for row in bad:
+            _, seq = launched.rows.sampled[row]
+            faults.setdefault(row, nonfinite(len(seq.token_ids) - seq.prompt_length + 1))
         for row, fault in sorted(faults.items()):
             state, seq = launched.rows.sampled[row]
             if seq.finish_reason is None:  # else it ended since launch, and this row is moot
