@@ -10,49 +10,19 @@ OR over the slot table's bits: service/engine/slot_rows.py).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from model.logits_processors import NO_TOKEN, Controls
 from model.transfer import to_device
 from service.engine.types import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, SamplingParams
 
-if TYPE_CHECKING:  # slot_rows reads this module's predicates
-    from service.engine.slot_rows import RowFeatures
+from service.engine.row_features import RowFeatures, uses_bias, uses_counts, uses_history, uses_min_new, uses_none
 
 
 # Columns of the float table (the order Controls.floats has).
 PRESENCE, FREQUENCY, MIN_P, TYPICAL_P = range(4)
 # Columns of the integer table.
 PROMPT_LENGTH, MIN_NEW_TOKENS, NGRAM = range(3)
-
-
-def uses_bias(p: SamplingParams) -> bool:
-    return bool(p.logit_bias)
-
-
-def uses_counts(p: SamplingParams) -> bool:
-    return p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
-
-
-def uses_history(p: SamplingParams) -> bool:
-    return p.no_repeat_ngram_size > 0 or bool(p.bad_words_ids)
-
-
-def uses_min_new(p: SamplingParams) -> bool:
-    return p.min_new_tokens > 0
-
-
-def uses_warpers(p: SamplingParams) -> bool:
-    # transformers applies min_p and typical_p only when sampling.
-    return p.do_sample and (p.min_p > 0.0 or p.typical_p < 1.0)
-
-
-def uses_none(p: SamplingParams) -> bool:
-    """A request whose rows of these tables, at their neutral values, change nothing: no control,
-    min_p and typical_p off (whether or not it samples)."""
-    return not (uses_bias(p) or uses_counts(p) or uses_history(p) or uses_min_new(p)) and p.min_p == 0.0 and p.typical_p == 1.0
 
 
 class SlotControls:

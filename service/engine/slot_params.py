@@ -10,7 +10,7 @@ import torch
 
 from model.sampling import SamplingTensors
 from model.transfer import to_device
-from service.engine.slot_rows import RowFeatures
+from service.engine.row_features import RowFeatures
 from service.engine.types import SamplingParams
 
 # Columns of the float table.

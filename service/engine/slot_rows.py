@@ -12,54 +12,12 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from service.engine.slot_controls import uses_bias, uses_counts, uses_history, uses_min_new, uses_warpers
-from service.engine.types import SamplingParams
+from service.engine.row_features import FEATURES, HISTORY_BIT, PER_ROW_BIT, RowFeatures, features_of
 
 if TYPE_CHECKING:
     from service.engine.scheduler import RequestState, Sequence
 
 
-def features_of(p: SamplingParams) -> tuple[bool, ...]:
-    """Which optional stage of the sampler a row uses, in RowFeatures' field order."""
-    return (
-        p.do_sample,
-        p.do_sample and (p.top_k > 0 or p.top_p < 1.0),
-        p.repetition_penalty != 1.0,
-        uses_bias(p),
-        uses_counts(p),
-        uses_history(p),
-        uses_min_new(p),
-        uses_warpers(p),
-        bool(p.bad_words_ids),
-        p.grammar is not None,
-    )
-
-
-@dataclass(frozen=True)
-class RowFeatures:
-    """Whether any row of a step uses each optional stage (the sampler skips the others)."""
-
-    sample: bool
-    top_k_top_p: bool
-    penalty: bool
-    bias: bool
-    counts: bool
-    history: bool
-    min_new: bool
-    warpers: bool
-    bad_words: bool
-    grammar: bool
-    max_ngram: int = 0  # the longest no_repeat_ngram_size among them
-    top_logprobs: int = 0  # the most alternatives any of them asked for
-
-    @property
-    def controls(self) -> bool:
-        return self.bias or self.counts or self.history or self.min_new or self.warpers
-
-
-FEATURES = len(RowFeatures.__dataclass_fields__) - 2  # the flags, before max_ngram and top_logprobs
-HISTORY_BIT = 1 << list(RowFeatures.__dataclass_fields__).index("history")
-PER_ROW_BIT = 1 << FEATURES  # the row needs Python of its own when its token is read
 # Columns of the table. LAST: the counter of its last draw (max_new_tokens reached with it); EOS:
 # the token that ends it (-1 with ignore_eos); LENGTH: the counter of its next draw,
 # len(token_ids) + pending (grown at each launch, set after a drafted step's read).
