@@ -54,7 +54,7 @@ class Engine:
 
     @property
     def slot_params(self):
-        return self.core.sampler.slot_params
+        return self.core.runner.batch.params
 
     def submit(self, requests: list[GenerationRequest]) -> None:
         """Queue requests to be prefilled together. Raises ValueError, QueueFull, EngineStopped."""

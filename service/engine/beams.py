@@ -11,7 +11,7 @@ import torch
 from model.beam import BeamParams, BeamSearch, reorder_beam_slots
 from model.kv_cache import KVCache
 from service.engine.faults import RowFaultError, nonfinite
-from service.engine.scheduler import RequestState
+from service.engine.requests import RequestState
 from service.engine.types import FinishedSequence, SamplingParams
 
 

@@ -3,9 +3,9 @@ sampler draws for, and the index vectors the device needs, all decided before an
 queued (on CUDA a host→device copy waits for queued work, so making them after the forwards were
 launched would stall the host until they finish).
 
-Two ways to the same layout: from the slot table (service/engine/slot_rows.py, a persistent
-batch) when every row draws one token from the sampler and enough run for array operations to
-pay; row by row from the sequences otherwise (beams, drafts, grammars, few rows).
+Two ways to the same layout: from the input batch (service/engine/input_batch.py) when every
+row draws one token from the sampler and enough run for array operations to pay; row by row from
+the sequences otherwise (beams, drafts, grammars, few rows). This is the one place that chooses.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import torch
 
 from model.kv_cache import KVCache
 from model.transfer import to_device
-from service.engine.scheduler import Scheduler, Sequence, StepPlan
-from service.engine.slot_rows import SlotRows
-from service.engine.step_sampler import StepRows
+from service.engine.input_batch import InputBatch
+from service.engine.requests import Sequence, StepPlan
+from service.engine.step_data import StepRows
 
 # From this many running requests a step is laid out from the slot table and its tokens read as
 # a batch (service/engine/step_reader.py): below it numpy's and torch's fixed cost per operation
@@ -26,10 +26,9 @@ BATCHED_ROWS = 16
 
 
 class StepLayout:
-    def __init__(self, scheduler: Scheduler, slot_rows: SlotRows, cache: KVCache, speculative: bool) -> None:
+    def __init__(self, batch: InputBatch, cache: KVCache, speculative: bool) -> None:
         """`speculative`: sequences may verify drafts."""
-        self.scheduler = scheduler
-        self.slot_rows = slot_rows
+        self.batch = batch
         self.cache = cache
         self.device = cache.device
         self.speculative = speculative
@@ -43,17 +42,17 @@ class StepLayout:
         # those that do took the next free slots, sampled row b is logits row b and slot b for
         # every b: the read path without gathers. (A prompt admitted into a slot a finished
         # sequence left inside the batch, the usual case under heavy churn, still gathers.)
-        if self.scheduler.host_paced_running or len(self.scheduler.running) < BATCHED_ROWS:
+        if plan.host_paced or plan.running < BATCHED_ROWS:
             return self._each(plan)  # beams, drafts or grammars (some rows need their own), or few rows
         return self._batch(plan)
 
     def _batch(self, plan: StepPlan) -> StepRows:
         """Every row draws one token from the sampler: who holds each slot and its length come from
-        the slot table (a persistent batch), and the decode feeds the sampler's last tokens."""
-        slot_rows = self.slot_rows
-        slots = slot_rows.decoding(self.cache.in_use)  # plan.decode's sequences' slots
-        decoding = list(map(slot_rows.seq.__getitem__, slots))
-        sampled = list(zip(map(slot_rows.state.__getitem__, slots), decoding))
+        the input batch, and the decode feeds the sampler's last tokens."""
+        batch = self.batch
+        slots = batch.decoding(self.cache.in_use)  # plan.decode's sequences' slots
+        decoding = list(map(batch.seq.__getitem__, slots))
+        sampled = list(zip(map(batch.state.__getitem__, slots), decoding))
         row_of = dict(zip(slots, range(len(slots))))
         rows = len(slots)
         for index, chunk in enumerate(plan.prefill):
@@ -65,7 +64,7 @@ class StepLayout:
             slots = slots + [seq.slot for _, seq in completing]
         logit_rows = list(range(rows)) + [row_of[seq.slot] for _, seq in completing]
         host = np.empty((3, len(slots)), dtype=np.int64)  # one host→device copy: [3, B]
-        host[0], host[1], host[2] = logit_rows, slots, slot_rows.lengths(slots)
+        host[0], host[1], host[2] = logit_rows, slots, batch.lengths(slots)
         return self._rows(decoding, row_of, sampled, host, slots, logit_rows, drafted=False, from_device=True, batched=True)
 
     def _rows(self, decoding: list[Sequence], row_of: dict[int, int], sampled: list, host: np.ndarray, slots: list[int],
@@ -75,9 +74,9 @@ class StepLayout:
         sample_rows, sample_slots, sample_counters = to_device(torch.from_numpy(host), self.device)  # [B] each
         in_order = logit_rows == slots == list(range(len(slots)))
         if batched:
-            facts = self.slot_rows.gather(slots, host[1], host[2], in_order)
+            facts = self.batch.gather(slots, host[1], host[2], in_order)
         else:
-            facts = self.slot_rows.gather_features(slots, host[1], host[2])
+            facts = self.batch.gather_features(slots, host[1], host[2])
         return StepRows(decoding, row_of, sampled, sample_rows, sample_slots, sample_counters, facts, in_order, drafted,
                         from_device)
 
@@ -86,7 +85,7 @@ class StepLayout:
         by_slot = sorted([(seq.slot, state, seq) for state in plan.decode for seq in state.live])  # slots are unique
         decoding = [seq for _, _, seq in by_slot]
         sampled = [(state, seq) for _, state, seq in by_slot]
-        if self.scheduler.host_paced_running:  # beams among them, perhaps: they choose their own tokens
+        if plan.host_paced:  # beams among them, perhaps: they choose their own tokens
             sampled = [(state, seq) for state, seq in sampled if state.beam is None]
         drafted = self.speculative and any(seq.draft for seq in decoding)
         if not drafted:
@@ -119,5 +118,5 @@ class StepLayout:
         host = np.array([logit_rows, slots, counters], dtype=np.int64).reshape(3, len(slots))
         # With no beam or draft the decode rows are the first sampled ones, each feeding the token
         # the sampler left on the device for its slot.
-        from_device = not (self.scheduler.host_paced_running or drafted)
+        from_device = not (plan.host_paced or drafted)
         return self._rows(decoding, row_of, sampled, host, slots, logit_rows, drafted, from_device, batched=False)

@@ -7,7 +7,7 @@ import torch
 
 from model.gpt2 import GPT2
 from model.scoring import score_tokens
-from service.engine.scheduler import PrefillChunk, RequestState
+from service.engine.requests import PrefillChunk, RequestState
 from service.engine.types import PromptScores
 
 # Prompt log-probabilities go through the LM head this many positions at a time, so a long

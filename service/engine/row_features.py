@@ -76,4 +76,9 @@ class RowFeatures:
 
 FEATURES = len(RowFeatures.__dataclass_fields__) - 2  # the flags, before max_ngram and top_logprobs
 HISTORY_BIT = 1 << list(RowFeatures.__dataclass_fields__).index("history")
-PER_ROW_BIT = 1 << FEATURES  # the row needs Python of its own when its token is read
+PER_ROW_BIT = 1 << FEATURES  # the row needs Python of its own when its token is read (a draft, a grammar)
+STOP_IDS_BIT = 1 << (FEATURES + 1)  # the row ends at stop token ids (read as an array operation)
+ALTERNATIVES_BIT = 1 << (FEATURES + 2)  # the row asks for its alternatives (top log-probs)
+# Stop token ids a row holds in the input batch's table (the HTTP schemas' bound); a request with
+# more, possible only in-process, is read row by row.
+MAX_STOP_IDS = 64

@@ -1,5 +1,8 @@
-"""Which sequences run each step: the waiting queue, admission into KV-cache slots (reusing
-cached prefixes), prompt chunks within the step's prefill budget, cancellation, packing.
+"""Which sequences run each step, and what becomes of them: the waiting queue, admission into
+KV-cache slots (reusing cached prefixes) with each admitted request's sequences, prompt chunks
+within the step's prefill budget, cancellation, packing (`schedule`: one StepPlan down to the
+model runner), then the step's tokens appended, stops checked and requests finished or failed
+(`update_from_output`: the launched step read, one StepResults up). Nothing here runs the model.
 
 Thread model: `submit` and `cancel` may be called from another thread than the one stepping
 (tests drive both from one) and only touch the waiting queue and the cancel set, under a lock.
@@ -8,157 +11,47 @@ Everything else (running requests, slots) belongs to the caller of `schedule`, o
 
 from __future__ import annotations
 
+import logging
+import secrets
 import threading
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from operator import attrgetter
+
+import numpy as np
 
 from model.kv_cache import KVCache
 from model.lora import BASE
-from service.engine.draft_policy import DraftAcceptance
-from service.engine.ngram_drafter import NgramIndex
-from service.engine.prefix_cache import PrefixCache, PrefixMatch, ScoredPrefix, common_prefix_length
-from service.engine.validation import slots_needed, validate_request
+from service.engine.beams import beam_results, start_beam_search
+from service.engine.faults import RowFault
+from service.engine.grammar import Grammars
+from service.engine.ngram_drafter import NgramSettings
+from service.engine.prefix_cache import PrefixCache, PrefixMatch, common_prefix_length
+from service.engine.requests import PrefillChunk, RequestState, Sequence, StepPlan
+from service.engine.speculation import new_drafter
+from service.engine.step_data import LaunchedStep
+from service.engine.step_reader import StepReader, StepResults
+from service.engine.validation import validate_request
 from service.engine.types import (
     EngineStopped,
     FinishReason,
     GenerationRequest,
-    PromptScores,
     QueueFull,
-    SamplingParams,
+    RequestDone,
+    RequestFailed,
+    RequestStarted,
 )
+
+log = logging.getLogger(__name__)
 
 
 # A prompt sharing at least this many more tokens with a prompt still being prefilled than
 # with anything cached waits for it (a step or a few) rather than computing them again.
 SHARED_PREFIX_WORTH_WAITING = 32
 BY_SLOT = attrgetter("slot")
-
-
-@dataclass
-class Sequence:
-    """One generated continuation, owning one KV-cache slot while it runs."""
-
-    index: int  # sequence_index within its request
-    slot: int
-    token_ids: list[int]  # prompt + generated
-    prompt_length: int
-    finish_reason: FinishReason | None = None
-    # Leading token_ids whose keys and values the slot holds, written by completed forwards:
-    # what the prefix cache may keep when the sequence leaves. All but the last once decoding.
-    cached: int = 0
-    drafter: NgramIndex | None = None  # speculative decoding's n-gram index of token_ids
-    draft: list[int] = field(default_factory=list)  # this step's drafted tokens
-    acceptance: DraftAcceptance = field(default_factory=DraftAcceptance)  # how its drafts fared
-    matcher: object | None = None  # its grammar's llguidance.LLMatcher, when constrained
-    adapter: int = BASE  # its LoRA adapter's index in the model's LoraSet (BASE: none)
-    # Tokens sampled on the device that the host has not read yet (the core's overlap: step
-    # n + 1 is launched before step n's tokens are read). Its slot holds keys and values for
-    # `cached + pending` positions; its next token is drawn at `len(token_ids) + pending`.
-    pending: int = 0
-
-    @property
-    def written(self) -> int:
-        """Positions its slot holds (or will once the queued forwards have run)."""
-        return self.cached + self.pending
-
-    @property
-    def generated(self) -> list[int]:
-        return self.token_ids[self.prompt_length :]
-
-
-@dataclass
-class RequestState:
-    """A request from submission to its FinishedRequest."""
-
-    request: GenerationRequest
-    sequences: list[Sequence] = field(default_factory=list)  # filled at admission
-    seed: int | None = None
-    beam: object | None = None  # model.beam.BeamSearch for num_beams > 1
-    scheduled_time: float | None = None
-    first_token_time: float | None = None
-    prompt_scores: PromptScores | None = None
-    # Prompt tokens in the first sequence's slot: reused from the prefix cache at admission, then
-    # grown chunk by chunk; the request decodes once it reaches the prompt's length.
-    prefilled: int = 0
-    reused: int = 0  # of which taken from the prefix cache
-    # Each step needs the host's view of its last tokens (beams, drafts, a grammar's matcher):
-    # the core does not run ahead of it (service/engine/core.py, overlap).
-    host_paced: bool = False
-    reported: bool = False  # its RequestDone was sent: nothing more is said about it
-    adapter: int = BASE  # its LoRA adapter's index (set at submission, from the request's name)
-
-    def __post_init__(self) -> None:
-        self.prompt_length = len(self.request.prompt_ids)
-
-    @property
-    def params(self) -> SamplingParams:
-        return self.request.params
-
-    @property
-    def slots_needed(self) -> int:
-        return slots_needed(self.params)
-
-    @property
-    def live(self) -> list[Sequence]:
-        sequences = self.sequences
-        if len(sequences) == 1:  # most requests, read several times per row per step: no new list
-            return sequences if sequences[0].finish_reason is None else []
-        return [s for s in sequences if s.finish_reason is None]
-
-    @property
-    def done(self) -> bool:
-        return bool(self.sequences) and all(s.finish_reason is not None for s in self.sequences)
-
-    @property
-    def prefilling(self) -> bool:
-        return self.prefilled < self.prompt_length
-
-    @property
-    def scored_prefix(self) -> ScoredPrefix | None:
-        """The prompt scores computed so far, for a later prompt reusing this one's prefix."""
-        if self.prompt_scores is None:
-            return None
-        return ScoredPrefix(self.prompt_scores, self.params.top_logprobs)
-
-    @property
-    def score_alternatives(self) -> int | None:
-        """None when the request does not score its prompt, else the alternatives it wants."""
-        return self.params.top_logprobs if self.params.prompt_logprobs else None
-
-
-@dataclass
-class PrefillChunk:
-    """Prompt tokens [start, end) of one request, run this step into its first slot."""
-
-    state: RequestState
-    start: int
-    end: int
-
-    @property
-    def completes(self) -> bool:
-        return self.end == len(self.state.request.prompt_ids)
-
-
-@dataclass
-class StepPlan:
-    prefill: list[PrefillChunk]  # prompt chunks run this step; the last one of a prompt samples
-    decode: list[RequestState]  # prefilled and running: one token per live sequence
-    cancelled: list[RequestState]  # leave now; their slots (if any) are already free
-    # Done in this order before the forwards: (from slot, to slot, length, swap) packing moves,
-    # then (from slot, to slot, length) prefix copies from running sequences.
-    moves: list[tuple[int, int, int, bool]]
-    copies: list[tuple[int, int, int]]
-    cached_tokens: int = 0  # prompt tokens taken from the prefix cache by this step's admissions
-
-    @property
-    def completing(self) -> list[RequestState]:
-        return [chunk.state for chunk in self.prefill if chunk.completes]
-
-    @property
-    def prefill_tokens(self) -> int:
-        return sum(chunk.end - chunk.start for chunk in self.prefill)
+# Spreads the seeds of a request's several sampled sequences (2^64 / golden ratio).
+SEED_STRIDE = 0x9E3779B97F4A7C15
+SEED_MODULUS = 2**63  # seeds are int64 tensors on the device
 
 
 class PrefillBudget:
@@ -183,22 +76,24 @@ class PrefillBudget:
 
 
 class Scheduler:
-    """`start(state, slots)` builds an admitted request's sequences on the slots it was given."""
-
     def __init__(
         self,
         cache: KVCache,
         max_waiting: int,
         max_prefill_tokens: int,
-        start: Callable[[RequestState, list[int]], list[Sequence]],
+        eos_token_id: int,
         prefix_caching: bool = False,
-        admissible: Callable[[RequestState], bool] | None = None,
+        grammars: Grammars | None = None,
+        speculative: NgramSettings | None = None,
     ) -> None:
-        """`admissible(state)`: False keeps a waiting request waiting, the ones behind it going on
-        (a grammar still compiling off the step loop)."""
+        """`cache`: its slot allocation (the runner owns its tensors); `grammars`: the grammar
+        engine (None: no constrained requests); `speculative`: n-gram drafts' settings, or None."""
         self.cache = cache
-        self._start = start
-        self._admissible = admissible
+        self.eos_token_id = eos_token_id
+        self.grammars = grammars
+        self.speculative = speculative
+        self.reader = StepReader(self, eos_token_id)
+        self._scrub: list[int] = []  # slots freed after non-finite values, for the next plan
         self.max_waiting = max_waiting
         self.max_prefill_tokens = max_prefill_tokens
         self.prefix = PrefixCache(prefix_caching)
@@ -298,7 +193,15 @@ class Scheduler:
         copies = [(source.slot, target.slot, length) for source, target, length in pending]
         for _, target, length in pending:
             target.cached = length
-        return StepPlan(chunks, decode, cancelled, moves, copies, sum(s.reused for s in admitted))
+        for chunk in chunks:  # what the plan's forwards write, before anyone can read it
+            state = chunk.state
+            state.prefilled = state.sequences[0].cached = chunk.end
+            if chunk.completes and state.beam is None:  # the runner copies the prompt to the others
+                for seq in state.sequences[1:]:
+                    seq.cached = len(seq.token_ids)
+        scrub, self._scrub = self._scrub, []
+        return StepPlan(chunks, decode, cancelled, moves, copies, sum(s.reused for s in admitted), admitted, scrub,
+                        len(self.running), self.host_paced_running)
 
     def _admit(
         self, now: float, budget: PrefillBudget, chunks: list[PrefillChunk], pending: list
@@ -314,7 +217,7 @@ class Scheduler:
                 for state in [state for submission in self._waiting for state in submission]:
                     if state.slots_needed > self.cache.slots_free:
                         break  # first come, first served: nobody overtakes another for slots
-                    if self._admissible is not None and not self._admissible(state):
+                    if not self._grammar_ready(state):  # compiling off the step loop: the others go on
                         continue
                     prompt = state.request.prompt_ids
                     match = None
@@ -376,7 +279,7 @@ class Scheduler:
         # Running before it starts: if starting it fails, the step's failure handling reports it.
         self.running.append(state)
         try:
-            state.sequences = self._start(state, slots)
+            state.sequences = self._new_sequences(state, slots)
         except Exception:
             self.cache.free(slots)
             raise
@@ -391,6 +294,93 @@ class Scheduler:
             first.cached = match.length
         else:
             pending.append((match.source, first, match.length))
+
+    def _new_sequences(self, state: RequestState, slots: list[int]) -> list[Sequence]:
+        """An admitted request's sequences on its slots: seeds, beam search, drafter, grammar."""
+        params, prompt = state.params, state.request.prompt_ids
+        if params.do_sample:
+            state.seed = params.seed if params.seed is not None else secrets.randbits(63)
+        if params.num_beams > 1:
+            state.beam = start_beam_search(params, prompt, self.eos_token_id)
+        sequences = []
+        for index, slot in enumerate(slots):
+            seed = (state.seed + index * SEED_STRIDE) % SEED_MODULUS if params.do_sample and state.beam is None else 0
+            # A copy of the grammar compiled off the step loop before admission (Grammars.prepare).
+            matcher = self.grammars.matcher(params.grammar) if params.grammar is not None else None
+            sequences.append(Sequence(index, slot, list(prompt), len(prompt), drafter=new_drafter(self.speculative, params),
+                                      matcher=matcher, adapter=state.adapter, seed=seed))
+        state.host_paced = state.beam is not None or any(s.drafter is not None or s.matcher is not None for s in sequences)
+        return sequences
+
+    def _grammar_ready(self, state: RequestState) -> bool:
+        grammar = state.params.grammar
+        return grammar is None or (self.grammars.ready(grammar) and grammar not in self.grammars.errors)
+
+    def refuse_uncompiled(self) -> list[RequestFailed]:
+        """Take the grammars compiled since the last step. Waiting requests whose grammar failed to
+        compile (the HTTP side checked it, so this is rare) each fail alone, before holding a slot."""
+        if self.grammars is None:
+            return []
+        self.grammars.collect()
+        errors = self.grammars.errors
+        if not errors:
+            return []
+        refused = self.refuse_waiting(lambda state: state.params.grammar in errors)
+        failed = [RequestFailed(state.request.request_id, errors[state.params.grammar], 422, "validation", "grammar")
+                  for state in refused]
+        errors.clear()  # every waiting request of those grammars is refused; a later one compiles again
+        return failed
+
+    # --- reading a launched step ------------------------------------------------------------------
+    def in_flight(self, launched: LaunchedStep) -> None:
+        """The launched step's tokens will be read after the next step is launched (overlap): its
+        rows count as pending meanwhile (the next step feeds their tokens from the device)."""
+        for _, seq in launched.rows.sampled:
+            seq.pending += 1
+
+    def update_from_output(self, launched: LaunchedStep, host: np.ndarray, results: StepResults) -> None:
+        """Append a launched step's tokens (`host`: its sampler rows) and check their stops; report
+        who started, who finished and who failed. Requests cancelled, or finished by an earlier
+        step, since it was launched get nothing."""
+        if launched.deferred:
+            for _, seq in launched.rows.sampled:
+                seq.pending -= 1
+        results.started += [
+            RequestStarted(s.request.request_id, s.scheduled_time - s.request.arrival_time, s.seed, s.prompt_scores)
+            for s in launched.completing
+            if not s.reported
+        ]
+        self.reader.read(launched, host, results)
+        # Only requests a sequence of which ended here can be done: no pass over every row.
+        if launched.failed:  # before the finished: a failed request is never also done
+            results.failed += self._fail(launched.failed)
+        finished = [state for state in {id(s): s for s in launched.ended}.values() if state.done and not state.reported]
+        if finished:
+            results.done += [self.finish(state) for state in finished]
+            self.leave(finished)
+
+    def _fail(self, failures: list[tuple[RequestState, RowFault]]) -> list[RequestFailed]:
+        """Requests whose own rows failed leave (their sequences already ended) and are answered
+        with their fault; every other request of the step went on."""
+        answers, leaving = [], []
+        for state, fault in {id(state): (state, fault) for state, fault in failures}.values():
+            if state.reported:
+                continue
+            leaving.append(state)
+            log.warning("request %s failed alone (%s): %s", state.request.request_id, fault.cause, fault.message)
+            state.reported = True
+            self.forget(state.request.request_id)
+            answers.append(RequestFailed(state.request.request_id, fault.message, fault.status, fault.error_type,
+                                         fault.cause))
+        self.leave(leaving)
+        return answers
+
+    def finish(self, state: RequestState) -> RequestDone:
+        """The request's answer is complete (its sequences ended, or it was cancelled)."""
+        state.reported = True
+        self.forget(state.request.request_id)
+        beams = beam_results(state) if state.beam is not None and state.beam.done else None
+        return RequestDone(state.request.request_id, beams)
 
     def _release_cancelled(self, state: RequestState) -> None:
         for seq in state.live:
@@ -414,8 +404,8 @@ class Scheduler:
             self.releases += 1
             self.cache.free(seq.slot)
             self.prefix.drop(seq.slot)
-        if scrub and freed:
-            self.cache.scrub([seq.slot for seq in freed])
+        if scrub and freed:  # zeroed by the runner before the next plan's forwards (StepPlan.scrub)
+            self._scrub += [seq.slot for seq in freed]
 
     def adapter_in_use(self, adapter: int) -> bool:
         """Whether a running or waiting request uses the adapter."""

@@ -21,8 +21,10 @@ from service.engine.row_features import RowFeatures, uses_bias, uses_counts, use
 
 # Columns of the float table (the order Controls.floats has).
 PRESENCE, FREQUENCY, MIN_P, TYPICAL_P = range(4)
-# Columns of the integer table.
-PROMPT_LENGTH, MIN_NEW_TOKENS, NGRAM = range(3)
+# Columns of the integer table. MIN_NEW_END: the counter (tokens held, prompt included) from which
+# the sequence may stop, prompt length + min_new_tokens (the prompt's length itself is the input
+# batch's, on the host).
+MIN_NEW_END, NGRAM = range(2)
 
 
 class SlotControls:
@@ -32,7 +34,7 @@ class SlotControls:
         self.device = device
         self._floats = torch.zeros(max_slots, 4, device=device)  # [slots, 4]
         self._floats[:, TYPICAL_P] = 1.0
-        self._ints = torch.zeros(max_slots, 3, dtype=torch.long, device=device)  # [slots, 3]
+        self._ints = torch.zeros(max_slots, 2, dtype=torch.long, device=device)  # [slots, 2]
         self._bias = torch.zeros(max_slots, vocab_size, device=device)  # [slots, V]
         self._counts = torch.zeros(max_slots, vocab_size, dtype=torch.int32, device=device)  # [slots, V]
         self._stop = torch.zeros(max_slots, vocab_size, dtype=torch.bool, device=device)  # [slots, V]
@@ -49,7 +51,7 @@ class SlotControls:
             return
         self._neutral[slot] = neutral
         self._floats[slot] = to_device([p.presence_penalty, p.frequency_penalty, p.min_p, p.typical_p], self.device, torch.float32)
-        self._ints[slot] = to_device([len(prompt_ids), p.min_new_tokens, p.no_repeat_ngram_size], self.device, self._ints.dtype)
+        self._ints[slot] = to_device([len(prompt_ids) + p.min_new_tokens, p.no_repeat_ngram_size], self.device, self._ints.dtype)
         # Bias and bad words are gathered for every row of a batch where any row uses them, so a
         # slot's previous request must leave nothing behind: reset whether this one uses them or not.
         self._bias[slot] = 0.0
@@ -82,13 +84,15 @@ class SlotControls:
         f = features
         if not f.controls:
             return None
-        ints = self._ints[slots]  # [B, 3]
+        ints = self._ints[slots]  # [B, 2]
         return Controls(
             bias=self._bias[slots] if f.bias else None,
             counts=self._counts[slots] if f.counts else None,
             floats=self._floats[slots],
-            new_tokens=counters - ints[:, PROMPT_LENGTH] if f.min_new else None,
-            min_new_tokens=ints[:, MIN_NEW_TOKENS] if f.min_new else None,
+            # Both counted from the sequence's first token: new tokens < min_new_tokens, shifted
+            # by the prompt's length.
+            new_tokens=counters if f.min_new else None,
+            min_new_tokens=ints[:, MIN_NEW_END] if f.min_new else None,
             stop_tokens=self._stop[slots] if f.min_new else None,
             history=self._history[slots] if f.history else None,
             lengths=counters if f.history else None,

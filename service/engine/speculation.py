@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from service.engine.draft_policy import acceptance_threshold, draft_length
 from service.engine.ngram_drafter import NgramIndex, NgramSettings
-from service.engine.scheduler import RequestState
+from service.engine.requests import RequestState
 from service.engine.types import SamplingParams
 
 

@@ -9,16 +9,16 @@ its stops are array comparisons against the rows' table entries gathered at laun
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
 from service.engine.faults import NONFINITE, RowFault, grammar_failed, nonfinite
 from service.engine.grammar import first_line
-from service.engine.scheduler import RequestState, Scheduler, Sequence
-from service.engine.slot_rows import EOS, LAST, PROMPT_LENGTH
+from service.engine.requests import RequestState, Sequence
 from service.engine.speculation import kept_length
-from service.engine.step_sampler import LaunchedStep, alternatives
-from service.engine.types import CoreToken, RequestDone, RequestFailed, RequestStarted, StepTokens, TopLogprobs
+from service.engine.step_data import EOS, LAST, PROMPT_LENGTH, LaunchedStep, alternatives
+from service.engine.types import CoreToken, FinishReason, RequestDone, RequestFailed, RequestStarted, StepTokens, TopLogprobs
 
 
 @dataclass
@@ -35,8 +35,18 @@ class StepResults:
     accepted_tokens: int = 0
 
 
+class SequenceEnds(Protocol):
+    """What the reader asks of the scheduler that owns it: to end sequences."""
+
+    releases: int  # sequences ended so far
+
+    def release_sequence(self, seq: Sequence, reason: FinishReason, state: RequestState) -> None: ...
+
+    def end_failed(self, state: RequestState, scrub: bool = False) -> None: ...
+
+
 class StepReader:
-    def __init__(self, scheduler: Scheduler, eos_token_id: int) -> None:
+    def __init__(self, scheduler: SequenceEnds, eos_token_id: int) -> None:
         self.scheduler = scheduler
         self.eos_token_id = eos_token_id
 
@@ -74,21 +84,26 @@ class StepReader:
         launched.failed.append((state, fault))
 
     def _batch(self, launched: LaunchedStep, host: np.ndarray, results: StepResults) -> None:
-        """Every row one token with no per-row stop but EOS and length: the stops of the whole
-        batch as array operations, Python per row only to append a token to its sequence (and for
-        the rows that end)."""
+        """Every row one token with no per-row stop but EOS, stop ids and length: the stops of the
+        whole batch as array operations, Python per row only to append a token to its sequence
+        (and for the rows that end or ask for alternatives)."""
         facts, sampled = launched.rows.facts, launched.rows.sampled
         tokens, logprobs, counters, table = host[:, 0].astype(np.int64), host[:, 1], facts.counters, facts.table
-        request_ids, indexes = facts.request_ids, facts.indexes
+        request_ids, indexes, stop_ids, wanted = facts.request_ids, facts.indexes, facts.stop_ids, facts.wanted
+        rows = None  # the host rows kept, when some were dropped
         if launched.releases != self.scheduler.releases:  # a sequence ended since launch: one of these?
             alive = [seq.finish_reason is None for _, seq in sampled]
             if not all(alive):
                 keep = np.flatnonzero(alive)
                 tokens, logprobs, counters, table = tokens[keep], logprobs[keep], counters[keep], table[keep]
-                picks = keep.tolist()
+                rows = picks = keep.tolist()
                 sampled = [sampled[i] for i in picks]
                 request_ids, indexes = [request_ids[i] for i in picks], [indexes[i] for i in picks]
+                stop_ids = stop_ids[keep] if stop_ids is not None else None
+                wanted = [wanted[i] for i in picks] if wanted is not None else None
         eos = tokens == table[:, EOS]
+        if stop_ids is not None:  # a stop token id ends a sequence as EOS does
+            eos |= (tokens[:, None] == stop_ids).any(axis=1)
         ends = np.flatnonzero(eos | (counters >= table[:, LAST])).tolist()
         token_ids = tokens.tolist()
         for (_, seq), token in zip(sampled, token_ids):
@@ -101,7 +116,13 @@ class StepReader:
             reasons[i] = reason = "eos_token" if eos[i] else "length"
             self.scheduler.release_sequence(seq, reason, state)
             launched.ended.append(state)
+        offset = len(results.tokens)
         results.tokens.extend(request_ids, indexes, token_ids, logprobs.tolist(), reasons)
+        if wanted is not None:  # alternatives: Python for the rows that asked, the rest untouched
+            n, top = launched.alternatives, results.tokens.top
+            for i, count in enumerate(wanted):
+                if count:
+                    top[offset + i] = alternatives(host[i if rows is None else rows[i]].tolist(), n, count)
         results.decode_output_tokens += int(np.count_nonzero(counters > table[:, PROMPT_LENGTH]))  # not a prompt's first
 
     def _each(self, launched: LaunchedStep, host: list[list[float]], results: StepResults) -> None:

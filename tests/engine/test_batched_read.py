@@ -1,8 +1,9 @@
-"""With no beam, draft or grammar running, the core lays a step out from its slot table (the decode
-rows from one mask, their tokens fed from the device) and, where no row needs its own Python (stop
-token ids, alternatives), reads its tokens as a batch: stops by EOS and length decided over
-arrays gathered at launch (service/engine/slot_rows.py). It must give what the row-by-row paths
-give, with overlap on and off, including rows whose sequence ended after their step launched."""
+"""With no beam, draft or grammar running, the runner lays a step out from its input batch (the
+decode rows from one mask, their tokens fed from the device) and the scheduler reads its tokens as
+a batch: stops by EOS, stop token ids and length decided over arrays gathered at launch
+(service/engine/input_batch.py), alternatives taken for the rows that asked. It must give what
+the row-by-row paths give, with overlap on and off, including rows whose sequence ended after
+their step launched."""
 
 from __future__ import annotations
 
@@ -15,12 +16,12 @@ from tests.engine.conftest import make_request, random_prompt
 
 def run(model, eos: int, requests: list[dict], overlap: bool, cancel_at: dict[str, int] | None = None,
         batched: bool = True):
-    """{request id: [(token, log-prob, finish reason or None), ...]} and the steps laid out and read
+    """{request id: [(token, log-prob, finish reason or None, alternatives), ...]} and the steps laid out and read
     as a batch. `batched`: False lays out and reads every step row by row."""
     layout_module.BATCHED_ROWS = 1 if batched else 10**9  # the conftest puts it back
     core = EngineCore(model, eos, EngineConfig(max_slots=4, overlap=overlap))
     calls = []
-    for part in (core.layout, core.reader):
+    for part in (core.runner.layout, core.scheduler.reader):
         real = part._batch
         part._batch = lambda *args, real=real, part=part: (calls.append(part), real(*args))[1]
     # `prompt`: the prompt of an earlier entry (default: its own)
@@ -38,14 +39,14 @@ def run(model, eos: int, requests: list[dict], overlap: bool, cancel_at: dict[st
                 core.cancel(request_id)
         result = core.step()
         assert not result.failed
-        for request_id, _, token, logprob, reason, _ in result.tokens:
-            out.setdefault(request_id, []).append((token, logprob, reason))
+        for request_id, _, token, logprob, reason, top in result.tokens:
+            out.setdefault(request_id, []).append((token, logprob, reason, top))
         done.update(d.request_id for d in result.done)
         if pending and len(done) >= 1:
             core.submit([pending.pop(0)])
         if not pending and not core.has_work():
             assert core.cache.slots_used == 0
-            return out, min(calls.count(core.layout), calls.count(core.reader))
+            return out, min(calls.count(core.runner.layout), calls.count(core.scheduler.reader))
     raise AssertionError("the core did not finish")
 
 
@@ -73,15 +74,32 @@ def test_eos_and_length_end_rows_as_one_by_one(tiny_model, eos):
         one_by_one, none = run(tiny_model, eos, plain, overlap, batched=False)
         assert none == 0
         assert one_by_one == batch
-        # A neighbour asking for alternatives reads row by row what the batch lays out.
+        # A neighbour asking for alternatives changes nothing of the others'.
         beside, _ = run(tiny_model, eos, plain + [dict(max_new_tokens=30, top_logprobs=2)], overlap)
         assert {k: v for k, v in beside.items() if k != "r5"} == batch
         outcomes[overlap] = batch
     assert outcomes[True] == outcomes[False]
     first = outcomes[False]["r0"]
-    assert [reason for *_, reason in first] == [None] * where + ["eos_token"]  # ended at its EOS, not after
+    assert [reason for *_, reason, _ in first] == [None] * where + ["eos_token"]  # ended at its EOS, not after
     ignoring = outcomes[False]["r1"]
     assert ignoring[where][0] == eos and len(ignoring) == where + 3 and ignoring[-1][2] == "length"
+
+
+def test_stop_ids_and_alternatives_are_read_as_a_batch(tiny_model, eos):
+    stop, where = eos  # no EOS in this engine: the token is a stop token id of r1 only
+    mixed = [FIRST, dict(FIRST, stop_token_ids=[7, stop], prompt=0), dict(max_new_tokens=9, top_logprobs=3),
+             dict(max_new_tokens=11, do_sample=True, seed=3, top_logprobs=1), dict(max_new_tokens=6, stop_token_ids=[5])]
+    for overlap in (False, True):
+        batch, batched = run(tiny_model, -1, mixed, overlap)
+        assert batched > 10  # neither stop ids nor alternatives take a step off the batched read
+        one_by_one, _ = run(tiny_model, -1, mixed, overlap, batched=False)
+        assert batch == one_by_one
+        assert [reason for *_, reason, _ in batch["r1"]] == [None] * where + ["eos_token"]
+        assert len(batch["r0"]) == 12
+        assert [entry[:2] for entry in batch["r0"][: where + 1]] == [entry[:2] for entry in batch["r1"]]
+        assert all(len(top) == 3 and top[0][1] >= top[-1][1] for *_, top in batch["r2"])
+        assert all(len(top) == 1 for *_, top in batch["r3"])
+        assert all(top is None for entry in ("r0", "r1", "r4") for *_, top in batch[entry])
 
 
 def test_a_row_ended_after_its_step_was_launched_gets_nothing(tiny_model, eos):

@@ -94,8 +94,8 @@ def test_beam_requests_joining_and_leaving_mid_stream_match_generate(engine, ref
     case_of: dict[str, int] = {}
     results = {}
     moves = []
-    original_move = engine.core._move
-    engine.core._move = lambda src, dst, *rest: (moves.append((src, dst)), original_move(src, dst, *rest))
+    original_move = engine.core.runner._move
+    engine.core.runner._move = lambda src, dst, *rest: (moves.append((src, dst)), original_move(src, dst, *rest))
     for step in range(6):
         for item in schedule.get(step, []):
             request = beam_request(item) if isinstance(item, int) else item

@@ -32,6 +32,6 @@ def staggered(engine) -> dict[str, list[int]]:
 
 def test_graph_replays_give_eager_tokens(cuda_only, make_engine):
     graphs = make_engine(max_slots=8, static_decode=True)
-    assert graphs.core.static_decode.graphs, "no graph was captured (see the warning logged)"
+    assert graphs.core.runner.static_decode.graphs, "no graph was captured (see the warning logged)"
     eager = make_engine(max_slots=8)
     assert staggered(graphs) == staggered(eager)

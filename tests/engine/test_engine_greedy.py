@@ -47,8 +47,8 @@ def test_each_prompt_alone_matches_generate(make_engine, references):
 def count_static_runs(engine) -> list:
     """Record each static-decode run (graphs.py), so a test knows that path was taken."""
     runs = []
-    real_run = engine.core.static_decode.run
-    engine.core.static_decode.run = lambda slots, ids, positions, *rest: (runs.append(len(ids)), real_run(slots, ids, positions, *rest))[1]
+    real_run = engine.core.runner.static_decode.run
+    engine.core.runner.static_decode.run = lambda slots, ids, positions, *rest: (runs.append(len(ids)), real_run(slots, ids, positions, *rest))[1]
     return runs
 
 
@@ -61,7 +61,7 @@ def test_all_prompts_in_one_batch_match_generate(make_engine, references, static
         assert result.sequences[0].token_ids == references[length, new], (length, new)
     assert engine.cache.slots_used == 0
     if static:
-        assert runs and any(rows not in engine.core.static_decode.batch_sizes for rows in runs), runs
+        assert runs and any(rows not in engine.core.runner.static_decode.batch_sizes for rows in runs), runs
 
 
 @pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static-decode"])
@@ -69,8 +69,8 @@ def test_joining_and_leaving_mid_stream_changes_nobody(make_engine, references, 
     engine = make_engine(max_slots=4, static_decode=static)
     runs = count_static_runs(engine) if static else None
     moves = []
-    original_move = engine.core._move
-    engine.core._move = lambda src, dst, *rest: (moves.append((src, dst)), original_move(src, dst, *rest))
+    original_move = engine.core.runner._move
+    engine.core.runner._move = lambda src, dst, *rest: (moves.append((src, dst)), original_move(src, dst, *rest))
     results = {}
     # Staggered arrivals; short requests finish early and leave holes below running ones.
     schedule = {0: [(48, 24), (2, 1)], 1: [(9, 7)], 3: [(5, 20), (1, 12)], 6: [(33, 5)], 9: [(17, 16), (64, 10)]}

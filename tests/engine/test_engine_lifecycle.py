@@ -208,7 +208,7 @@ def test_timings_are_ordered_and_a_queued_request_waits_longer(make_engine):
 
 
 def test_a_failure_while_admitting_fails_the_step_and_leaks_no_slot(make_engine, hf_model):
-    engine = make_engine(max_slots=4)
+    engine = make_engine(max_slots=2)
     real_write = engine.slot_params.write
     calls = {"n": 0}
 
@@ -221,7 +221,8 @@ def test_a_failure_while_admitting_fails_the_step_and_leaks_no_slot(make_engine,
     engine.slot_params.write = failing_write
     engine.submit([make_request([1, 2], request_id=f"r{i}", max_new_tokens=3) for i in range(3)])
     output = engine.step()
-    # Admission stops at the failure: those admitted fail, the one behind them waits its turn.
+    # Writing an admitted sequence into the runner's batch failed: the step's requests fail, the
+    # one no slot was left for waits its turn.
     assert sorted(f.request_id for f in output.failed) == ["r0", "r1"]
     assert "cannot write parameters" in output.failed[0].message
     assert engine.cache.slots_used == 0 and engine.scheduler.waiting_count == 1
@@ -233,7 +234,7 @@ def test_a_failure_while_admitting_fails_the_step_and_leaks_no_slot(make_engine,
 
 def test_a_failed_step_fails_its_requests_and_the_engine_serves_on(make_engine, hf_model):
     engine = make_engine()
-    real_run = engine.core._run
+    real_run = engine.core.runner._run
     calls = {"n": 0}
 
     def flaky_run(*args):
@@ -242,7 +243,7 @@ def test_a_failed_step_fails_its_requests_and_the_engine_serves_on(make_engine, 
             raise RuntimeError("device lost")
         return real_run(*args)
 
-    engine.core._run = flaky_run
+    engine.core.runner._run = flaky_run
     engine.submit([make_request([1, 2], request_id="doomed", max_new_tokens=10)])
     engine.step()
     failed = engine.step().failed

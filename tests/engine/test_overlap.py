@@ -62,9 +62,9 @@ def run(make_engine, entries, overlap: bool, cancel: dict[str, int] | None = Non
         assert len(live) == engine.cache.slots_used
         assert not engine.cache.packed or live == list(range(len(live)))
         # The slot table's lengths (the counters of the next draws, read by the batched layout).
-        table = engine.core.slot_rows
+        table = engine.core.runner.batch
         plain = [state for state in scheduler.running if state.beam is None]
-        last_tokens = engine.core.sampler.last_tokens.tolist()
+        last_tokens = engine.core.runner.batch.last_tokens.tolist()
         for state in plain:
             for seq in state.live:
                 assert table.lengths([seq.slot])[0] == len(seq.token_ids) + seq.pending

@@ -245,11 +245,11 @@ def test_a_request_cancelled_mid_prefill_leaves_only_complete_chunks(make_engine
 def test_a_failed_step_forgets_every_cached_prefix(make_engine):
     engine = make_engine()
     run(engine, [make_request(CONTEXT, max_new_tokens=2)])
-    real_run = engine.core._run
-    engine.core._run = lambda *args: (_ for _ in ()).throw(RuntimeError("device lost"))
+    real_run = engine.core.runner._run
+    engine.core.runner._run = lambda *args: (_ for _ in ()).throw(RuntimeError("device lost"))
     engine.submit([make_request(CONTEXT + [1], request_id="fails", max_new_tokens=2)])
     assert [f.request_id for f in engine.step().failed] == ["fails"]
-    engine.core._run = real_run
+    engine.core.runner._run = real_run
     assert cached_tokens(engine, make_request(CONTEXT, max_new_tokens=2)) == 0
 
 

@@ -23,13 +23,13 @@ def recorded_orders(make_engine):
     """An engine whose steps record whether their sampled rows were in slot order."""
     engine = make_engine(max_slots=4)
     orders: list[bool] = []
-    sample = engine.core.sampler.launch
+    sample = engine.core.runner.sampler.launch
 
     def recording(logits, rows, *rest):
         orders.append(rows.in_slot_order)
         return sample(logits, rows, *rest)
 
-    engine.core.sampler.launch = recording
+    engine.core.runner.sampler.launch = recording
     return engine, orders
 
 

@@ -47,9 +47,9 @@ def admission_beside_a_padded_decode(engine) -> tuple[dict, list[int]]:
     """Three rows decode on slots 0-2 while a new request is prefilled into slot 3 in the same
     step (with static decode, padded to four rows: the fourth writes into slot 3)."""
     runs = []
-    if engine.core.static_decode is not None:
-        real_run = engine.core.static_decode.run
-        engine.core.static_decode.run = lambda slots, ids, positions, *rest: (runs.append(len(ids)), real_run(slots, ids, positions, *rest))[1]
+    if engine.core.runner.static_decode is not None:
+        real_run = engine.core.runner.static_decode.run
+        engine.core.runner.static_decode.run = lambda slots, ids, positions, *rest: (runs.append(len(ids)), real_run(slots, ids, positions, *rest))[1]
     first = [make_request(random_prompt(6, seed=s), request_id=f"first-{s}", max_new_tokens=8) for s in (1, 2, 3)]
     engine.submit(first)
     results = {f.request_id: f for f in engine.step().finished}

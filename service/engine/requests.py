@@ -1,0 +1,152 @@
+"""The engine's request data: a request from submission to its answer (RequestState), each of
+its generated continuations (Sequence), and what one step runs (StepPlan, of PrefillChunks).
+
+The scheduler creates and updates them; the model runner reads a plan and writes only what its
+forwards computed (a prefill's prompt scores, a beam step's tokens).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from model.lora import BASE
+from service.engine.draft_policy import DraftAcceptance
+from service.engine.ngram_drafter import NgramIndex
+from service.engine.prefix_cache import ScoredPrefix
+from service.engine.types import FinishReason, GenerationRequest, PromptScores, SamplingParams
+from service.engine.validation import slots_needed
+
+
+@dataclass
+class Sequence:
+    """One generated continuation, owning one KV-cache slot while it runs."""
+
+    index: int  # sequence_index within its request
+    slot: int
+    token_ids: list[int]  # prompt + generated
+    prompt_length: int
+    finish_reason: FinishReason | None = None
+    # Leading token_ids whose keys and values the slot holds, written by completed forwards:
+    # what the prefix cache may keep when the sequence leaves. All but the last once decoding.
+    cached: int = 0
+    drafter: NgramIndex | None = None  # speculative decoding's n-gram index of token_ids
+    draft: list[int] = field(default_factory=list)  # this step's drafted tokens
+    acceptance: DraftAcceptance = field(default_factory=DraftAcceptance)  # how its drafts fared
+    matcher: object | None = None  # its grammar's llguidance.LLMatcher, when constrained
+    adapter: int = BASE  # its LoRA adapter's index in the model's LoraSet (BASE: none)
+    seed: int = 0  # its sampling seed (sampled requests), in [0, 2^63)
+    # Tokens sampled on the device that the host has not read yet (the core's overlap: step
+    # n + 1 is launched before step n's tokens are read). Its slot holds keys and values for
+    # `cached + pending` positions; its next token is drawn at `len(token_ids) + pending`.
+    pending: int = 0
+
+    @property
+    def written(self) -> int:
+        """Positions its slot holds (or will once the queued forwards have run)."""
+        return self.cached + self.pending
+
+    @property
+    def generated(self) -> list[int]:
+        return self.token_ids[self.prompt_length :]
+
+
+@dataclass
+class RequestState:
+    """A request from submission to its FinishedRequest."""
+
+    request: GenerationRequest
+    sequences: list[Sequence] = field(default_factory=list)  # filled at admission
+    seed: int | None = None
+    beam: object | None = None  # model.beam.BeamSearch for num_beams > 1
+    scheduled_time: float | None = None
+    first_token_time: float | None = None
+    prompt_scores: PromptScores | None = None
+    # Prompt tokens in the first sequence's slot: reused from the prefix cache at admission, then
+    # grown chunk by chunk; the request decodes once it reaches the prompt's length.
+    prefilled: int = 0
+    reused: int = 0  # of which taken from the prefix cache
+    # Each step needs the host's view of its last tokens (beams, drafts, a grammar's matcher):
+    # the core does not run ahead of it (service/engine/core.py, overlap).
+    host_paced: bool = False
+    reported: bool = False  # its RequestDone was sent: nothing more is said about it
+    adapter: int = BASE  # its LoRA adapter's index (set at submission, from the request's name)
+
+    def __post_init__(self) -> None:
+        self.prompt_length = len(self.request.prompt_ids)
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.request.params
+
+    @property
+    def slots_needed(self) -> int:
+        return slots_needed(self.params)
+
+    @property
+    def live(self) -> list[Sequence]:
+        sequences = self.sequences
+        if len(sequences) == 1:  # most requests, read several times per row per step: no new list
+            return sequences if sequences[0].finish_reason is None else []
+        return [s for s in sequences if s.finish_reason is None]
+
+    @property
+    def done(self) -> bool:
+        return bool(self.sequences) and all(s.finish_reason is not None for s in self.sequences)
+
+    @property
+    def prefilling(self) -> bool:
+        return self.prefilled < self.prompt_length
+
+    @property
+    def scored_prefix(self) -> ScoredPrefix | None:
+        """The prompt scores computed so far, for a later prompt reusing this one's prefix."""
+        if self.prompt_scores is None:
+            return None
+        return ScoredPrefix(self.prompt_scores, self.params.top_logprobs)
+
+    @property
+    def score_alternatives(self) -> int | None:
+        """None when the request does not score its prompt, else the alternatives it wants."""
+        return self.params.top_logprobs if self.params.prompt_logprobs else None
+
+
+@dataclass
+class PrefillChunk:
+    """Prompt tokens [start, end) of one request, run this step into its first slot."""
+
+    state: RequestState
+    start: int
+    end: int
+
+    @property
+    def completes(self) -> bool:
+        return self.end == len(self.state.request.prompt_ids)
+
+
+@dataclass
+class StepPlan:
+    prefill: list[PrefillChunk]  # prompt chunks run this step; the last one of a prompt samples
+    decode: list[RequestState]  # prefilled and running: one token per live sequence
+    cancelled: list[RequestState]  # leave now; their slots (if any) are already free
+    # Done in this order before the forwards: (from slot, to slot, length, swap) packing moves,
+    # then (from slot, to slot, length) prefix copies from running sequences.
+    moves: list[tuple[int, int, int, bool]]
+    copies: list[tuple[int, int, int]]
+    cached_tokens: int = 0  # prompt tokens taken from the prefix cache by this step's admissions
+    # Requests admitted by this plan: the runner writes their sequences into its input batch, on
+    # their slots after the moves.
+    admitted: list[RequestState] = field(default_factory=list)
+    # Slots freed after non-finite values (faults.py), to be zeroed before anything else runs:
+    # a later sequence's masked positions still meet them, and 0 * NaN is NaN.
+    scrub: list[int] = field(default_factory=list)
+    running: int = 0  # requests running after admission
+    # Of which some need each token on the host before their next step (beams, drafts, grammars).
+    host_paced: int = 0
+
+    @property
+    def completing(self) -> list[RequestState]:
+        return [chunk.state for chunk in self.prefill if chunk.completes]
+
+    @property
+    def prefill_tokens(self) -> int:
+        return sum(chunk.end - chunk.start for chunk in self.prefill)

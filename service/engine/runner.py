@@ -1,0 +1,201 @@
+"""The model runner: one StepPlan in, one launched step out (vLLM v1's GPUModelRunner, nano-vllm's
+ModelRunner). It owns what the device holds for the running sequences: the KV cache's tensors, the
+persistent input batch (every per-slot value), the layout of a step's rows, the forwards (prefill,
+decode: static shapes and CUDA graphs where asked) and the sampler.
+
+- `prepare(plan)`: slots to zero, packing moves and prefix copies in the cache, and the plan's
+  admitted sequences written into the input batch (on their slots after the moves);
+- `execute(plan)`: drafts proposed, rows laid out, the forwards and the sampling queued, and the
+  one device→host copy of what was drawn (read later with `read`: the core's overlap);
+- `after_read(launched)`: what only the read tokens tell the batch (a drafted step's lengths).
+
+The runner never calls the scheduler; it writes only what its forwards computed onto the plan's
+requests (a prefill's prompt scores).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from model.gpt2 import GPT2
+from model.kv_cache import KVCache, SlotBatch
+from model.transfer import to_device
+from service.engine.adapters import ServedAdapters
+from service.engine.faults import NonfiniteInjection
+from service.engine.forward import forward_from
+from service.engine.grammar import Grammars
+from service.engine.graphs import StaticDecode
+from service.engine.input_batch import InputBatch
+from service.engine.layout import StepLayout
+from service.engine.ngram_drafter import NgramSettings
+from service.engine.prompt_scores import add_prompt_scores
+from service.engine.requests import PrefillChunk, RequestState, StepPlan
+from service.engine.speculation import propose
+from service.engine.step_data import LaunchedStep, StepRows
+from service.engine.step_sampler import StepSampler
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: GPT2,
+        cache: KVCache,
+        eos_token_id: int,
+        grammars: Grammars | None,
+        speculative: NgramSettings | None,
+        static_decode: bool,
+        adapters: tuple[tuple[str, str], ...] = (),
+    ) -> None:
+        self.model = model
+        self.cache = cache
+        self.device = model.device
+        self.speculative = speculative
+        config = model.config
+        self.batch = InputBatch(cache.max_slots, config.vocab_size, cache.max_len, eos_token_id, self.device)
+        self.layout = StepLayout(self.batch, cache, speculative is not None)
+        self.sampler = StepSampler(self.batch, grammars, NonfiniteInjection.from_env())
+        self.static_decode = StaticDecode(model, cache) if static_decode else None
+        if self.static_decode is not None and self.device.type == "cuda":
+            self.static_decode.capture()  # on failure it says why and decodes eagerly
+        self.adapters = ServedAdapters(model, adapters)
+
+    def prepare(self, plan: StepPlan) -> None:
+        """The plan's changes to the cache and the batch, even in a step with nothing to run: with
+        overlap, a sequence whose last token is still in flight is packed but not stepped."""
+        with torch.inference_mode():
+            if plan.scrub:  # first: a slot zeroed here may be a move's or an admission's target
+                self.cache.scrub(plan.scrub)
+            for src, dst, length, swap in plan.moves:
+                self._move(src, dst, length, swap)
+            for src, dst, length in plan.copies:
+                self.cache.copy_slots([src], [dst], length)
+        for state in plan.admitted:
+            for seq in state.sequences:
+                self.batch.add(state, seq)
+
+    def execute(self, plan: StepPlan, deferred: bool) -> LaunchedStep:
+        """Queue the step's model work and sampling; with beams or drafts, it also waits for it.
+        `deferred`: its tokens are read after the next step is launched."""
+        completing = plan.completing
+        with torch.inference_mode():
+            if self.speculative is not None:
+                propose(plan.decode, self.speculative, plan.prefill_tokens)
+            rows = self.layout.layout(plan)
+            logits = self._run(plan, rows)
+            launched = self.sampler.launch(logits, rows, completing + plan.decode, completing, deferred)
+        if plan.host_paced:  # beams among them, perhaps: they read the step's logits themselves
+            launched.logits = logits
+        if not rows.drafted:  # a drafted step's lengths are known once its tokens are read
+            self.batch.drew(rows.facts.slots, rows.in_slot_order)
+        return launched
+
+    def read(self, launched: LaunchedStep) -> np.ndarray:
+        """The launched step's sampler rows on the host, once the device has them."""
+        return self.sampler.read(launched)
+
+    def after_read(self, launched: LaunchedStep) -> None:
+        """What the read tokens tell the batch: after a drafted step, each sequence's length and
+        last token (the drafts that stood)."""
+        if launched.rows.drafted:
+            self.batch.set_drafted(list({id(seq): seq for _, seq in launched.rows.sampled}.values()))
+
+    def exhausted(self) -> list[RequestState]:
+        """The requests a sequence of which drew its last token in a step not read yet."""
+        return self.batch.exhausted(self.cache.in_use)
+
+    def _move(self, src: int, dst: int, length: int, swap: bool) -> None:
+        if swap:
+            self.cache.swap_slots(src, dst, length)
+        elif length:
+            self.cache.copy_slots([src], [dst], length)
+        self.batch.move(src, dst)
+
+    # --- the forwards -------------------------------------------------------------------------------
+    def _run(self, plan: StepPlan, rows: StepRows) -> torch.Tensor:
+        """Logits [rows, V] in the layout of `rows`: decode rows, then prefill rows."""
+        # The two forwards touch disjoint cache entries (padded rows write only positions no
+        # sequence caches), so their order is free.
+        decoded = self._decode(rows) if rows.decoding else None
+        prefilled = self._prefill(plan.prefill) if plan.prefill else None
+        parts = [part for part in (decoded, prefilled) if part is not None]
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+    def _prefill(self, chunks: list[PrefillChunk]) -> torch.Tensor:
+        """Each chunk's prompt tokens from its offset, over the keys its slot already holds (a
+        reused prefix, earlier chunks). Logits [B, V] at each chunk's last token."""
+        out = forward_from(
+            self.model,
+            self.cache,
+            [chunk.state.sequences[0].slot for chunk in chunks],
+            [chunk.start for chunk in chunks],
+            [chunk.state.request.prompt_ids[chunk.start : chunk.end] for chunk in chunks],
+            hidden_states=any(chunk.state.params.prompt_logprobs for chunk in chunks),
+            lora=self.adapters.rows(chunk.state.adapter for chunk in chunks),
+        )
+        for row, chunk in enumerate(chunks):
+            if chunk.state.params.prompt_logprobs:
+                add_prompt_scores(self.model, chunk.state, chunk, out.hidden[row])
+        # Several sampled sequences of one prompt: the prompt ran once, into the first slot.
+        copies = [
+            (chunk.state.sequences[0].slot, seq)
+            for chunk in chunks
+            if chunk.completes and chunk.state.beam is None
+            for seq in chunk.state.sequences[1:]
+        ]
+        if copies:
+            longest = max(len(seq.token_ids) for _, seq in copies)
+            self.cache.copy_slots([s for s, _ in copies], [seq.slot for _, seq in copies], longest)
+        return out.logits  # [B, V]
+
+    def _decode(self, step_rows: StepRows) -> torch.Tensor:
+        """Logits [B + drafted tokens, V]: one row per sequence (in slot order), 1 + k for one with
+        a draft."""
+        seqs = step_rows.decoding
+        lora = self.adapters.rows(s.adapter for s in seqs)
+        if step_rows.from_device:
+            return self._decode_batch(step_rows, lora)
+        slots = [s.slot for s in seqs]
+        if step_rows.drafted:  # verification: 1 + k positions per row, eagerly
+            starts = [len(s.token_ids) - 1 for s in seqs]
+            pieces = [[s.token_ids[-1]] + s.draft for s in seqs]
+            # Each position as decoding computes it, so a draft's length (which the batch
+            # prices) never changes a token's bits.
+            return forward_from(self.model, self.cache, slots, starts, pieces, every_position=True, one_query_per_call=True,
+                                lora=lora).logits
+        lengths = [len(s.token_ids) + s.pending for s in seqs]
+        # A sequence whose last token the host has not read yet (overlap) feeds the one its
+        # slot's last sampling left on the device; the host's token_ids[-1] is then stale.
+        ahead = [s.pending > 0 for s in seqs]
+        tokens = [s.token_ids[-1] for s in seqs]
+        last_tokens = self.batch.last_tokens
+        if self.static_decode is not None and lora is None:  # a graph holds no adapter: eager with one
+            return self.static_decode.run(slots, tokens, [n - 1 for n in lengths], ahead, last_tokens)
+        host = to_device([slots, tokens, [n - 1 for n in lengths], ahead], self.device)  # [4, B]: one copy
+        slot_ids, input_ids, positions, from_device = host
+        if any(ahead):
+            input_ids = torch.where(from_device.bool(), last_tokens[slot_ids], input_ids)
+        # kv_length from Python ints: no device sync to find the longest row.
+        rows = self.cache.batch(slots, slot_ids)
+        out = self.model(input_ids[:, None], positions[:, None], self.cache, rows, kv_length=max(lengths), lora=lora)
+        return out.logits[:, -1]  # [B, V]
+
+    def _decode_batch(self, step_rows: StepRows, lora) -> torch.Tensor:
+        """Every decoding row feeds its slot's last sampled token, left on the device by the sampler
+        (`last_tokens`), at the position before its counter: the layout's index vectors, already
+        on the device, say which (no Python per row, no other copy)."""
+        count = len(step_rows.decoding)  # the first rows sampled
+        slots, counters = step_rows.facts.slots[:count], step_rows.facts.counters[:count]
+        last_tokens = self.batch.last_tokens
+        if self.static_decode is not None and lora is None:  # a graph holds no adapter: eager with one
+            return self.static_decode.run(slots, np.zeros(count, dtype=np.int64), counters - 1,
+                                          np.ones(count, dtype=bool), last_tokens)
+        slot_ids = step_rows.sample_slots[:count]
+        first, last = int(slots[0]), int(slots[-1])
+        # Ascending and distinct (either layout sorts them): one span when they are consecutive.
+        rows = SlotBatch(slot_ids, slice(first, last + 1) if last - first == count - 1 else None)
+        input_ids = last_tokens[rows.span] if rows.span is not None else last_tokens[slot_ids]
+        positions = step_rows.sample_counters[:count, None] - 1
+        # kv_length from the host's counters: no device sync to find the longest row.
+        out = self.model(input_ids[:, None], positions, self.cache, rows, kv_length=int(counters.max()), lora=lora)
+        return out.logits[:, -1]  # [B, V]

@@ -1,0 +1,114 @@
+"""What crosses between the engine's parts in one step: the runner's layout of the step's rows
+(StepRows, with the facts gathered from its input batch, RowFacts) and the step it launched
+(LaunchedStep), which the scheduler reads once its tokens reach the host.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from service.engine.faults import RowFault
+from service.engine.requests import RequestState, Sequence
+from service.engine.row_features import RowFeatures
+from service.engine.types import TopLogprobs
+
+
+# Columns of the input batch's host table (input_batch.py), which RowFacts.table copies. LAST: the
+# counter of its last draw (max_new_tokens reached with it); EOS: the token that ends it (-1 with
+# ignore_eos); LENGTH: the counter of its next draw, len(token_ids) + pending (grown at each
+# launch, set after a drafted step's read).
+LAST, PROMPT_LENGTH, EOS, LENGTH = range(4)
+
+
+@dataclass
+class RowFacts:
+    """A step's sampled rows, gathered from the slot table at launch (the slots may be reused or
+    moved before the step's tokens are read)."""
+
+    features: RowFeatures
+    request_ids: list[str]
+    indexes: list[int]  # sequence index within the request
+    slots: np.ndarray  # [B] the rows' slots
+    counters: np.ndarray  # [B] tokens the row's sequence holds when its token is drawn
+    # [B, 4] their rows of the slot table (a copy): LAST, PROMPT_LENGTH, EOS, LENGTH; None when the
+    # step is read row by row (request_ids and indexes are then empty too).
+    table: np.ndarray | None
+    # Some row needs Python of its own when its token is read (a draft, a grammar): the step's
+    # tokens take the per-row path.
+    per_row: bool
+    # For a step read as a batch: [B, MAX_STOP_IDS] the rows' stop token ids (-1: none), when a
+    # row has some; each row's count of alternatives asked for, when a row asks.
+    stop_ids: np.ndarray | None = None
+    wanted: list[int] | None = None
+
+
+@dataclass
+class StepRows:
+    """The layout of one step's logits, known before the forwards run."""
+
+    decoding: list[Sequence]  # the decode batch, in slot order
+    row_of: dict[int, int]  # slot → its (first) row in the step's logits
+    # What the sampler draws for (beams aside): one row per sequence, 1 + k for one with a
+    # draft of k tokens (its rows are consecutive).
+    sampled: list[tuple[RequestState, Sequence]]
+    sample_rows: torch.Tensor  # [B] logits row of each sampled sequence
+    sample_slots: torch.Tensor  # [B] its KV-cache slot (and parameter-table row)
+    sample_counters: torch.Tensor  # [B] tokens its sequence holds: which draw of its seed
+    # Sampled row b is logits row b and slot b's, for every b (rows after them, prompt chunks
+    # that sample nothing, are left alone): the usual step once the running sequences are
+    # packed into slots 0..B-1 (a persistent batch). The per-slot tables are then read as views
+    # of their first B rows and the logits as a view of theirs, with no gather (on a GPU: no
+    # [B, V] copy and no index kernels).
+    facts: RowFacts  # the sampled rows' facts from the slot tables (service/engine/slot_rows.py)
+    in_slot_order: bool = False
+    drafted: bool = False  # a decoding sequence verifies a draft this step
+    # Every decoding row feeds its slot's last sampled token from the device (`last_tokens`) at
+    # the position its counter gives (no beams or drafts running).
+    from_device: bool = False
+
+
+    @property
+    def read(self) -> torch.Tensor | slice:
+        """What selects the sampled rows of a per-slot table: a slice when in slot order."""
+        return slice(0, len(self.sampled)) if self.in_slot_order else self.sample_slots
+
+
+@dataclass
+class LaunchedStep:
+    """A step whose forwards and sampling are queued on the device; its tokens not yet read."""
+
+    rows: StepRows
+    active: list[RequestState]  # the requests it ran (prefill completing, then decoding)
+    completing: list[RequestState]  # of which those whose prompt it finished
+    sampled: torch.Tensor | None  # [B, 2 + 2n] on the host once `ready` has passed
+    alternatives: int  # n
+    ready: torch.cuda.Event | None  # recorded after the device→host copy (CUDA only)
+    # Read after the next step was launched (overlap): its rows count as pending meanwhile (the
+    # next step feeds their tokens from the device).
+    deferred: bool = False
+    # Requests a sequence of which ended in this step (beams at launch, the rest when read):
+    # the only ones that can have finished.
+    ended: list[RequestState] = field(default_factory=list)
+    # The scheduler's count of ended sequences once it was launched: unchanged when its tokens
+    # are read, none of its rows can have ended in between.
+    releases: int = 0
+    # Sampled rows already known to have failed at launch (a grammar's mask), by row: their
+    # requests end with these faults when the step is read.
+    faults: dict[int, RowFault] = field(default_factory=dict)
+    # Requests that failed at launch (a beam search's step), already ended in the scheduler.
+    failed: list[tuple[RequestState, RowFault]] = field(default_factory=list)
+    # The step's logits [rows, V], kept only while a host-paced request runs (beams read theirs).
+    logits: torch.Tensor | None = None
+
+
+def alternatives(row: list[float], n: int, wanted: int) -> TopLogprobs | None:
+    """A host row [token, logprob, n ids, n logprobs] → the first `wanted` alternatives; none a
+    grammar forbids (-inf: a constrained row may allow fewer tokens than were asked for)."""
+    if not wanted:
+        return None
+    pairs = zip(map(int, row[2 : 2 + wanted]), row[2 + n : 2 + n + wanted])
+    return [(token, logprob) for token, logprob in pairs if logprob != -math.inf]
