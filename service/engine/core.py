@@ -9,9 +9,11 @@ vLLM v1's EngineCore.step:
 - update: the scheduler reads the launched step's tokens (step_reader.py: append, EOS, stops,
   length), finishes and fails requests: one StepResults up, sent as one CoreStep.
 
-With overlap (CUDA) step n + 1 is executed before step n's tokens are read. The scheduler and the
+With overlap (CUDA) step n + 1 is executed before step n's tokens are read, whatever runs: a
+request that needs its last token on the host (a grammar's mask, a draft) sits out the steps
+launched before that token was read, and a drafted step is read at once. The scheduler and the
 runner never call each other: this loop passes the plan down and the tokens up. Beam search still
-reads its logits on the host between execute and update (it is host-paced: no overlap).
+reads its logits on the host between execute and update (the step's device work is waited for).
 
 Token ids only: text, stop strings and response assembly belong to the HTTP side
 (service/http/outputs.py). No HTTP, no asyncio, no IPC here: service/engine/process.py runs it in
@@ -124,34 +126,35 @@ class EngineCore:
         prefill_tokens = cached_tokens = decode_tokens = batch_size = 0
         scheduler, runner = self.scheduler, self.runner
         try:
-            # Overlap: this step is launched before the previous one's tokens are read, unless a
-            # running request needs every token on the host before its next step can be built.
-            overlap = self.overlap and not scheduler.host_paced_running
+            # Overlap: this step is launched before the previous one's tokens are read. A request
+            # that needs its last token on the host to build its next step (a grammar, a draft)
+            # sits out the steps launched before that token is read (Scheduler.schedule).
             previous, self._launched = self._launched, None
-            if previous is not None and not overlap:
-                self._update(previous, results)
-                previous = None
             failed += scheduler.refuse_uncompiled()
-            # With a step in flight (only when no host-paced request runs: the input batch is exact
-            # for every running sequence) some may have drawn their last token already.
-            plan = scheduler.schedule(started, runner.exhausted() if previous is not None else [])
+            # With a step in flight, some sequences may have drawn their last token already.
+            plan = scheduler.schedule(started, runner.exhausted() if previous is not None else [], previous is not None)
             results.done += [scheduler.finish(state) for state in plan.cancelled]
             prefill_tokens, cached_tokens = plan.prefill_tokens, plan.cached_tokens
             if plan.host_paced:  # beams among them: one output token per step each
                 results.decode_output_tokens += sum(len(s.live) for s in plan.decode if s.beam is not None)
+            if plan.drafted and previous is not None:  # a draft's forward feeds the host's tokens
+                self._update(previous, results)
+                previous = None
             runner.prepare(plan)
+            # A drafted step's lengths are known only once it is read: it is read at once.
+            deferred = self.overlap and not plan.drafted
             launched = None
             if plan.prefill or plan.decode:
-                launched = runner.execute(plan, overlap)
+                launched = runner.execute(plan, deferred)
                 if launched.logits is not None:
                     self._advance_beams(launched)
-                if overlap:
+                if deferred:
                     scheduler.in_flight(launched)
                 launched.releases = scheduler.releases
                 batch_size, decode_tokens = len(launched.rows.row_of), len(launched.rows.decoding)
             if previous is not None:
                 self._update(previous, results)
-            if overlap:
+            if deferred:
                 self._launched = launched
             elif launched is not None:
                 self._update(launched, results)

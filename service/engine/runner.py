@@ -5,8 +5,8 @@ decode: static shapes and CUDA graphs where asked) and the sampler.
 
 - `prepare(plan)`: slots to zero, packing moves and prefix copies in the cache, and the plan's
   admitted sequences written into the input batch (on their slots after the moves);
-- `execute(plan)`: drafts proposed, rows laid out, the forwards and the sampling queued, and the
-  one device→host copy of what was drawn (read later with `read`: the core's overlap);
+- `execute(plan)`: rows laid out, the forwards and the sampling queued, and the one device→host
+  copy of what was drawn (read later with `read`: the core's overlap);
 - `after_read(launched)`: what only the read tokens tell the batch (a drafted step's lengths).
 
 The runner never calls the scheduler; it writes only what its forwards computed onto the plan's
@@ -31,7 +31,6 @@ from service.engine.layout import StepLayout
 from service.engine.ngram_drafter import NgramSettings
 from service.engine.prompt_scores import add_prompt_scores
 from service.engine.requests import PrefillChunk, RequestState, StepPlan
-from service.engine.speculation import propose
 from service.engine.step_data import LaunchedStep, StepRows
 from service.engine.step_sampler import StepSampler
 
@@ -50,7 +49,6 @@ class ModelRunner:
         self.model = model
         self.cache = cache
         self.device = model.device
-        self.speculative = speculative
         config = model.config
         self.batch = InputBatch(cache.max_slots, config.vocab_size, cache.max_len, eos_token_id, self.device)
         self.layout = StepLayout(self.batch, cache, speculative is not None)
@@ -79,8 +77,6 @@ class ModelRunner:
         `deferred`: its tokens are read after the next step is launched."""
         completing = plan.completing
         with torch.inference_mode():
-            if self.speculative is not None:
-                propose(plan.decode, self.speculative, plan.prefill_tokens)
             rows = self.layout.layout(plan)
             logits = self._run(plan, rows)
             launched = self.sampler.launch(logits, rows, completing + plan.decode, completing, deferred)

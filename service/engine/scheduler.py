@@ -28,7 +28,7 @@ from service.engine.grammar import Grammars
 from service.engine.ngram_drafter import NgramSettings
 from service.engine.prefix_cache import PrefixCache, PrefixMatch, common_prefix_length
 from service.engine.requests import PrefillChunk, RequestState, Sequence, StepPlan
-from service.engine.speculation import new_drafter
+from service.engine.speculation import new_drafter, propose
 from service.engine.step_data import LaunchedStep
 from service.engine.step_reader import StepReader, StepResults
 from service.engine.validation import validate_request
@@ -161,9 +161,10 @@ class Scheduler:
         return bool(self.running) or self._waiting_count > 0 or bool(self._cancel)
 
     # --- stepping side --------------------------------------------------------------------------
-    def schedule(self, now: float, exhausted: list[RequestState] | None = None) -> StepPlan:
-        """`exhausted`: requests whose sequences drew their last token in a step whose tokens are
-        still unread (the core's overlap): a row more would draw past max_new_tokens."""
+    def schedule(self, now: float, exhausted: list[RequestState] | None = None, in_flight: bool = False) -> StepPlan:
+        """`in_flight`: a step's tokens are still unread (the core's overlap); `exhausted`: the
+        requests whose sequences drew their last token in it (a row more would draw past
+        max_new_tokens)."""
         with self._lock:
             cancel, self._cancel = self._cancel, set()
             cancelled = self._drop_waiting(lambda state: state.request.request_id in cancel)
@@ -187,6 +188,10 @@ class Scheduler:
         if exhausted:
             done = {id(state) for state in exhausted}
             decode = [state for state in decode if id(state) not in done]
+        if in_flight and self.host_paced_running:
+            # Its next step needs its last token on the host (a grammar's mask, a draft): a request
+            # whose token is in flight sits this step out, and overlap stays on for the others.
+            decode = [state for state in decode if not (state.host_paced and any(seq.pending for seq in state.live))]
         pending: list[tuple[Sequence, Sequence, int]] = []  # (source, destination, length)
         admitted = self._admit(now, budget, chunks, pending)
         moves = self._pack()
@@ -200,8 +205,11 @@ class Scheduler:
                 for seq in state.sequences[1:]:
                     seq.cached = len(seq.token_ids)
         scrub, self._scrub = self._scrub, []
-        return StepPlan(chunks, decode, cancelled, moves, copies, sum(s.reused for s in admitted), admitted, scrub,
-                        len(self.running), self.host_paced_running)
+        plan = StepPlan(chunks, decode, cancelled, moves, copies, sum(s.reused for s in admitted), admitted, scrub,
+                        running=len(self.running), host_paced=self.host_paced_running)
+        if self.speculative is not None and self.host_paced_running:  # drafters are host-paced
+            plan.drafted = propose(decode, self.speculative, plan.prefill_tokens)
+        return plan
 
     def _admit(
         self, now: float, budget: PrefillBudget, chunks: list[PrefillChunk], pending: list

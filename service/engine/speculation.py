@@ -42,14 +42,16 @@ def new_drafter(settings: NgramSettings | None, params: SamplingParams) -> Ngram
     return NgramIndex(settings) if settings is not None and speculates(params) else None
 
 
-def propose(states: list[RequestState], settings: NgramSettings, prefill_tokens: int) -> None:
-    """Give each decoding sequence this step's draft (empty where it has none or none pays).
+def propose(states: list[RequestState], settings: NgramSettings, prefill_tokens: int) -> bool:
+    """Give each decoding sequence this step's draft (empty where it has none or none pays);
+    whether any has one.
 
     The step's rows before drafts, what a draft token is priced against: one per decoding
     sequence and one per prompt token prefilled beside them.
     """
     rows = sum(len(state.live) for state in states) + prefill_tokens
     threshold = acceptance_threshold(rows, settings.weight_pass_rows)
+    drafted = False
     for state in states:
         for seq in state.live:
             if seq.drafter is None:
@@ -60,6 +62,8 @@ def propose(states: list[RequestState], settings: NgramSettings, prefill_tokens:
             seq.draft = seq.drafter.draft(seq.token_ids, most) if most > 0 else []
             if seq.draft and seq.matcher is not None:  # only what the grammar allows is worth a row
                 seq.draft = seq.draft[: seq.matcher.validate_tokens(seq.draft)]
+            drafted = drafted or bool(seq.draft)
+    return drafted
 
 
 def kept_length(drawn: list[int], draft: list[int]) -> int:
