@@ -40,7 +40,7 @@ class WeightSpectra:
     input_gain_max: torch.Tensor  # Γ = max |γ| of the LayerNorm feeding the attention
     input_shift_norm: torch.Tensor  # ‖β‖₂ of that LayerNorm
     input_radius: torch.Tensor  # R ≥ ‖attention input‖₂ of any token: Γ·sqrt(d) + ‖β‖₂
-    logit_bound: torch.Tensor  # M = q_max·k_max / sqrt(d_h), per head
+    logit_bound: torch.Tensor  # M = q_max·k_max × the layer's scale (GPT-2's: 1/sqrt(d_h)), per head
     seed_logit_bound: torch.Tensor  # the document's M' = Γ²·‖W_Q^h‖₂·‖W_K^h‖₂·sqrt(d), per head
 
     def to_dict(self) -> dict:
@@ -69,7 +69,9 @@ def weight_spectra(model: GPT2 | PostLNGPT, weight_of: Callable[[nn.Module], tor
         for module in ("attn.c_proj", "mlp.c_fc", "mlp.c_proj")
     )  # [L] each
     gamma, beta, radius = attention_input_bounds(model)  # [L] each
-    logit_bound = (q * radius[:, None] + bq) * (k * radius[:, None] + bk) / math.sqrt(d_h)  # [L, H]
+    # Each layer's own scale: 1/sqrt(d_h) for GPT-2, other values under scale_attn_* options.
+    scales = torch.tensor([block.attn.attend.scale_for(d_h) for block in model.h], dtype=torch.float64)  # [L]
+    logit_bound = (q * radius[:, None] + bq) * (k * radius[:, None] + bk) * scales[:, None]  # [L, H]
     seed_logit_bound = gamma[:, None] ** 2 * q * k * math.sqrt(d)  # [L, H]
     return WeightSpectra(
         query=q, key=k, value=v, query_bias=bq, key_bias=bk,

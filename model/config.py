@@ -8,6 +8,8 @@ from pathlib import Path
 
 import torch
 
+from model.activations import activation_problem
+
 # The dtypes a model may run in, by the names settings and command lines use.
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -23,6 +25,10 @@ class GPT2Config:
     layer_norm_epsilon: float = 1e-5
     activation_function: str = "gelu_new"
     initializer_range: float = 0.02
+    # The attention options transformers' GPT2Config offers (model/attention.py computes them).
+    scale_attn_weights: bool = True
+    scale_attn_by_inverse_layer_idx: bool = False
+    reorder_and_upcast_attn: bool = False
     bos_token_id: int = 50256
     eos_token_id: int = 50256
 
@@ -37,9 +43,12 @@ class GPT2Config:
             raise ValueError(f"layer_norm_epsilon must be a positive number, got {self.layer_norm_epsilon!r}")
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
-        if self.activation_function not in ("gelu_new", "gelu_pytorch_tanh"):
-            # Both names mean GPT-2's tanh-approximated GELU; anything else is another model.
-            raise ValueError(f"unsupported activation_function {self.activation_function!r}")
+        problem = activation_problem(self.activation_function)
+        if problem is not None:
+            raise ValueError(problem)
+        for name in ATTENTION_OPTIONS:
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
 
     @property
     def head_dim(self) -> int:
@@ -109,11 +118,11 @@ def _is_positive(value: object, kind: type | tuple[type, ...]) -> bool:
     return isinstance(value, kind) and not isinstance(value, bool) and value > 0
 
 
+ATTENTION_OPTIONS = ("scale_attn_weights", "scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn")
+
 # transformers' GPT2Config options that this implementation does not compute, with the value
 # GPT-2 itself uses: a config that sets another value must be refused, not silently served.
 UNSUPPORTED_OPTIONS = {
-    "scale_attn_weights": True,
-    "scale_attn_by_inverse_layer_idx": False,
     "add_cross_attention": False,
 }
 
@@ -129,7 +138,7 @@ TRAINING_AND_HEAD_OPTIONS = {
     "summary_proj_to_labels": True,
     "summary_first_dropout": 0.1,
 }
-GPT2_OPTIONS = {**TRAINING_AND_HEAD_OPTIONS, "use_cache": True, "reorder_and_upcast_attn": False}
+GPT2_OPTIONS = {**TRAINING_AND_HEAD_OPTIONS, "use_cache": True}
 
 # The keys transformers' PretrainedConfig.to_dict() adds to every model's config, at their defaults.
 HF_CONFIG_DEFAULTS = {

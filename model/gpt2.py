@@ -6,15 +6,15 @@ positions and, optionally, a KV cache with the slots the batch rows own.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from model.activations import ACTIVATIONS, TANH_GELU
+from model.attention import GPT2_ATTENTION, AttentionMath, float32_scores
 from model.config import GPT2Config
 from model.kv_cache import KVCache, SlotBatch
 from model.linear import Conv1D, linear, pack, released
@@ -32,13 +32,22 @@ ATTENTION_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION
 
 
 class MLP(nn.Module):
-    def __init__(self, config: GPT2Config) -> None:
+    """activation: an `activation_function` name (model/activations.py); GPT-2's by default."""
+
+    def __init__(self, config: GPT2Config, activation: str = "gelu_new") -> None:
         super().__init__()
         self.c_fc = Conv1D(config.n_embd, config.inner_dim)
         self.c_proj = Conv1D(config.inner_dim, config.n_embd)
+        # GPT-2's tanh GELU runs inside the first product's kernel; any other after it.
+        self.fused_gelu = activation in TANH_GELU
+        self.activation = ACTIVATIONS[activation]
 
     def forward(self, x: torch.Tensor, lora: LoraGroups | None = None) -> torch.Tensor:
-        return self.c_proj(self.c_fc(x, gelu=True, lora=lora), lora=lora)
+        if self.fused_gelu:
+            hidden = self.c_fc(x, gelu=True, lora=lora)
+        else:
+            hidden = self.activation(self.c_fc(x, lora=lora))
+        return self.c_proj(hidden, lora=lora)
 
 
 @dataclass
@@ -72,7 +81,8 @@ class AttentionInputs:
 
 
 def attend_by_row(
-    queries: list[torch.Tensor], keys: torch.Tensor, values: torch.Tensor, ctx: AttentionInputs
+    queries: list[torch.Tensor], keys: torch.Tensor, values: torch.Tensor, ctx: AttentionInputs,
+    attend: AttentionMath = GPT2_ATTENTION,
 ) -> list[torch.Tensor]:
     """Row b's queries [1, H, n_b, d_h] over its own first L_b keys only: [1, H, n_b, d_h] each.
 
@@ -85,18 +95,19 @@ def attend_by_row(
 
     ctx.one_query_per_call: each query its own call, the one decoding makes at its position, so
     a draft's verification gives decoding's bits whatever the draft's length (k + 1 small calls).
+    attend: the layer's arithmetic (its scale, float32 scores or not).
     """
     outputs = []
     for b, (q, (n, length)) in enumerate(zip(queries, ctx.row_spans)):
         own_keys, own_values = keys[b : b + 1, :, :length], values[b : b + 1, :, :length]  # [1, H, L_b, d_h]
         if n > 1 and ctx.one_query_per_call:
             seen = range(length - n + 1, length + 1)  # how many keys each query sees
-            outputs.append(torch.cat([F.scaled_dot_product_attention(q[:, :, j : j + 1], own_keys[:, :, :count], own_values[:, :, :count])
+            outputs.append(torch.cat([attend(q[:, :, j : j + 1], own_keys[:, :, :count], own_values[:, :, :count], None)
                                       for j, count in enumerate(seen)], dim=2))  # [1, H, n, d_h]
             continue
         # One query sees every key up to its own: no mask, as a lone decode row runs.
         mask = None if n == 1 else ctx.mask[b : b + 1, :, :n, :length]
-        outputs.append(F.scaled_dot_product_attention(q, own_keys, own_values, attn_mask=mask))
+        outputs.append(attend(q, own_keys, own_values, mask))
     return outputs
 
 
@@ -108,11 +119,14 @@ def packed_row_spans(packing: Packing) -> list[tuple[int, int]]:
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, config: GPT2Config, layer_index: int) -> None:
+    """attend: the layer's arithmetic (model/attention.py); GPT-2's by default."""
+
+    def __init__(self, config: GPT2Config, layer_index: int, attend: AttentionMath = GPT2_ATTENTION) -> None:
         super().__init__()
         self.n_head = config.n_head
         self.head_dim = config.head_dim
         self.layer_index = layer_index
+        self.attend = attend
         self.c_attn = Conv1D(config.n_embd, 3 * config.n_embd)
         self.c_proj = Conv1D(config.n_embd, config.n_embd)
 
@@ -130,20 +144,15 @@ class CausalSelfAttention(nn.Module):
 
         probs = None
         if ctx.row_spans is not None:
-            y = torch.cat(attend_by_row(list(q.split(1)), k, v, ctx))  # [B, H, T, d_h]
+            y = torch.cat(attend_by_row(list(q.split(1)), k, v, ctx, self.attend))  # [B, H, T, d_h]
         elif ctx.want_probs:
-            # Analysis needs the probabilities themselves, in float32 whatever the weights are.
-            # Scaling q rather than the scores, and masking in place, spares two [B, H, T, L]
-            # temporaries per layer (~20% of a 1024-token analysis forward); 1/sqrt(64) is a
-            # power of two, so the scores are bit-identical to transformers' (q @ kᵀ) / 8.
-            scaled_q = q.float() * (1.0 / math.sqrt(self.head_dim))  # [B, H, T, d_h]
-            scores = scaled_q @ k.float().transpose(-2, -1)  # [B, H, T, L]
-            if ctx.mask is not None:
-                scores.masked_fill_(~ctx.mask, float("-inf"))
+            # Analysis needs the probabilities themselves, in float32 whatever the weights are
+            # (so reorder_and_upcast_attn holds here too).
+            scores = float32_scores(q, k, ctx.mask, self.attend.scale_for(self.head_dim))  # [B, H, T, L]
             probs = scores.softmax(dim=-1)  # [B, H, T, L]
             y = probs.to(v.dtype) @ v  # [B, H, T, d_h]
         else:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.mask)  # [B, H, T, d_h]
+            y = self.attend(q, k, v, ctx.mask)  # [B, H, T, d_h]
         y = y.transpose(1, 2).reshape(B, T, C)  # [B, T, C]
         return self.c_proj(y, lora=ctx.lora), probs
 
@@ -159,13 +168,14 @@ class CausalSelfAttention(nn.Module):
         if ctx.row_spans is not None:
             rows = q.split([n for n, _ in ctx.row_spans])  # B × [n_b, C]
             queries = [row.view(1, len(row), H, d).transpose(1, 2) for row in rows]  # B × [1, H, n_b, d_h]
-            y = torch.cat([out.transpose(1, 2).reshape(-1, C) for out in attend_by_row(queries, keys, values, ctx)])
+            outputs = attend_by_row(queries, keys, values, ctx, self.attend)
+            y = torch.cat([out.transpose(1, 2).reshape(-1, C) for out in outputs])
             return self.c_proj(y[None], lora=ctx.lora)  # [1, N, C]
         B, T = packing.batch, packing.width
         laid_out = q.new_zeros(B * T, C)
         laid_out[packing.index] = q
         queries = laid_out.view(B, T, H, d).transpose(1, 2)  # [B, H, T, d_h]
-        y = F.scaled_dot_product_attention(queries, keys, values, attn_mask=ctx.mask)  # [B, H, T, d_h]
+        y = self.attend(queries, keys, values, ctx.mask)  # [B, H, T, d_h]
         y = y.transpose(1, 2).reshape(B * T, C)[packing.index]  # [N, C]
         return self.c_proj(y[None], lora=ctx.lora)  # [1, N, C]
 
@@ -174,9 +184,9 @@ class Block(nn.Module):
     def __init__(self, config: GPT2Config, layer_index: int) -> None:
         super().__init__()
         self.ln_1 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
-        self.attn = CausalSelfAttention(config, layer_index)
+        self.attn = CausalSelfAttention(config, layer_index, AttentionMath.for_layer(config, layer_index))
         self.ln_2 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config, config.activation_function)
 
     def forward(
         self, x: torch.Tensor, ctx: AttentionInputs

@@ -5,8 +5,11 @@ as requests join and leave."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.engine.conftest import make_request, random_prompt, run_until_idle
+from tests.model.checkpoint_options import ENGINE_CASE, write_options_model
+from weights.checkpoint import load_model
 
 
 @pytest.fixture
@@ -30,8 +33,18 @@ def staggered(engine) -> dict[str, list[int]]:
     return {rid: result.sequences[0].token_ids for rid, result in results.items()}
 
 
-def test_graph_replays_give_eager_tokens(cuda_only, make_engine):
-    graphs = make_engine(max_slots=8, static_decode=True)
+@pytest.fixture(params=["gpt2", "checkpoint-options"])
+def served_model(request, tiny_model, tmp_path_factory, device):
+    """GPT-2's arithmetic, or float16 with CRFM's attention options (float32 scores in the
+    captured graphs), Cerebras-GPT's exact GELU and 2,048 positions."""
+    if request.param == "gpt2":
+        return tiny_model
+    folder = write_options_model(tmp_path_factory.mktemp("options-model"), ENGINE_CASE)
+    return load_model(folder, device=device, dtype=torch.float16)
+
+
+def test_graph_replays_give_eager_tokens(cuda_only, make_engine, served_model):
+    graphs = make_engine(model=served_model, max_slots=8, static_decode=True)
     assert graphs.core.runner.static_decode.graphs, "no graph was captured (see the warning logged)"
-    eager = make_engine(max_slots=8)
+    eager = make_engine(model=served_model, max_slots=8)
     assert staggered(graphs) == staggered(eager)

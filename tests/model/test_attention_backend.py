@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-import model.gpt2 as gpt2
+import model.attention as attention
 from model.kv_cache import KVCache
 from tests.model.hf_reference import random_ids
 from weights.checkpoint import load_model
@@ -32,7 +32,7 @@ def test_every_attention_call_runs_with_cudnn_disabled(tiny_model_dir, monkeypat
         seen.append(backends_enabled())
         return real_sdpa(*args, **kwargs)
 
-    monkeypatch.setattr(gpt2.F, "scaled_dot_product_attention", recording_sdpa)
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", recording_sdpa)
     before = backends_enabled()
     ids = random_ids(model.config, batch=2, length=6, seed=0)
     cache = KVCache(model.config, 2, 16)

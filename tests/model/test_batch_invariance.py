@@ -10,6 +10,7 @@ import torch
 from model.kv_cache import KVCache
 from model.quantized import quantize_problem
 from service.engine.forward import forward_from
+from tests.model.checkpoint_options import CASES, write_options_model
 from tests.model.hf_reference import random_ids
 from weights.checkpoint import load_model
 
@@ -20,8 +21,11 @@ DECODE_STEPS = 4
 BATCHES = [[0, 1], [2, 4], [3, 1, 4], [4, 2, 0, 3], [1, 2, 3, 4, 0]]
 
 
-@pytest.fixture(scope="module", params=["none", "int8", "int4"])
-def model(request, tiny_model_dir):
+@pytest.fixture(scope="module", params=["none", "int8", "int4", "checkpoint-options"])
+def model(request, tiny_model_dir, tmp_path_factory):
+    if request.param == "checkpoint-options":  # CRFM's scale per layer, exact GELU run after its product
+        config = CASES["crfm-both"].with_(activation_function="gelu")
+        return load_model(write_options_model(tmp_path_factory.mktemp("options"), config))
     problem = quantize_problem(request.param, "cpu", torch.float32)
     if problem is not None:
         pytest.skip(problem)

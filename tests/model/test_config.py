@@ -36,10 +36,13 @@ def test_transformers_reads_the_config_we_write():
         ({"n_inner": -1}, "n_inner"),
         ({"layer_norm_epsilon": "1e-5"}, "layer_norm_epsilon"),
         ({"n_embd": 100, "n_head": 12}, "divisible"),
-        ({"activation_function": "relu"}, "activation_function"),
+        ({"activation_function": "prelu"}, "activation_function 'prelu'"),
+        ({"activation_function": "xielu"}, "activation_function 'xielu'"),
+        ({"activation_function": "softmax"}, "activation_function 'softmax'"),
         ({"model_type": "llama"}, "model_type"),
-        ({"scale_attn_weights": False}, "scale_attn_weights"),
-        ({"scale_attn_by_inverse_layer_idx": True}, "scale_attn_by_inverse_layer_idx"),
+        ({"scale_attn_weights": "no"}, "scale_attn_weights"),
+        ({"scale_attn_by_inverse_layer_idx": 1}, "scale_attn_by_inverse_layer_idx"),
+        ({"reorder_and_upcast_attn": None}, "reorder_and_upcast_attn"),
         ({"add_cross_attention": True}, "add_cross_attention"),
     ],
 )
@@ -60,6 +63,20 @@ def test_config_that_is_not_an_object_is_refused(tmp_path):
 
 def test_harmless_options_are_accepted():
     # Options that change training or heads we do not build, not inference arithmetic.
-    config = GPT2Config.from_dict({"reorder_and_upcast_attn": True, "resid_pdrop": 0.3,
-                                   "scale_attn_weights": True, "n_ctx": 1024})
+    config = GPT2Config.from_dict({"resid_pdrop": 0.3, "summary_type": "mean", "use_cache": False, "n_ctx": 1024})
     assert config == GPT2Config()
+
+
+ARITHMETIC_OPTIONS = {"activation_function": "gelu", "scale_attn_weights": False,
+                      "scale_attn_by_inverse_layer_idx": True, "reorder_and_upcast_attn": True}
+
+
+def test_arithmetic_options_are_read_and_written_back(tmp_path):
+    """The options model/attention.py and model/activations.py compute are kept, not dropped,
+    and a config written here gives transformers the same ones."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**GPT2Config().to_hf_dict(), **ARITHMETIC_OPTIONS}))
+    ours = GPT2Config.from_json(path)
+    assert {key: getattr(ours, key) for key in ARITHMETIC_OPTIONS} == ARITHMETIC_OPTIONS
+    theirs = HFGPT2Config(**ours.to_hf_dict())
+    assert {key: getattr(theirs, key) for key in ARITHMETIC_OPTIONS} == ARITHMETIC_OPTIONS

@@ -126,8 +126,13 @@ def unreadable_config(model_dir: Path) -> list[str]:
 
 
 def unsupported_config(model_dir: Path) -> list[str]:
-    config = edit_config(model_dir, scale_attn_by_inverse_layer_idx=True)
-    return [str(config), "scale_attn_by_inverse_layer_idx"]
+    config = edit_config(model_dir, add_cross_attention=True)
+    return [str(config), "add_cross_attention"]
+
+
+def unsupported_activation(model_dir: Path) -> list[str]:
+    config = edit_config(model_dir, activation_function="prelu")  # a learned slope no checkpoint holds
+    return [str(config), "activation_function 'prelu'"]
 
 
 def transposed(weight: torch.Tensor) -> torch.Tensor:
@@ -160,6 +165,7 @@ BREAKAGES = [
     Breakage("missing-config", missing_config),
     Breakage("unreadable-config", unreadable_config),
     Breakage("unsupported-config-option", unsupported_config),
+    Breakage("unsupported-activation", unsupported_activation),
 ]
 
 
