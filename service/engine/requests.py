@@ -132,6 +132,8 @@ class StepPlan:
     # then (from slot, to slot, length) prefix copies from running sequences.
     moves: list[tuple[int, int, int, bool]]
     copies: list[tuple[int, int, int]]
+    completing: list[RequestState]  # the requests whose prompt's last chunk runs: they sample
+    prefill_tokens: int  # prompt tokens this step prefills
     cached_tokens: int = 0  # prompt tokens taken from the prefix cache by this step's admissions
     # Requests admitted by this plan: the runner writes their sequences into its input batch, on
     # their slots after the moves.
@@ -143,11 +145,3 @@ class StepPlan:
     running: int = 0  # requests running after admission
     # Of which some need each token on the host before their next step (beams, drafts, grammars).
     host_paced: int = 0
-
-    @property
-    def completing(self) -> list[RequestState]:
-        return [chunk.state for chunk in self.prefill if chunk.completes]
-
-    @property
-    def prefill_tokens(self) -> int:
-        return sum(chunk.end - chunk.start for chunk in self.prefill)

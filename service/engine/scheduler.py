@@ -165,23 +165,25 @@ class Scheduler:
         """`in_flight`: a step's tokens are still unread (the core's overlap); `exhausted`: the
         requests whose sequences drew their last token in it (a row more would draw past
         max_new_tokens)."""
-        with self._lock:
-            cancel, self._cancel = self._cancel, set()
-            cancelled = self._drop_waiting(lambda state: state.request.request_id in cancel)
-        if cancel:
+        cancelled: list[RequestState] = []
+        if self._cancel:  # read without the lock: a cancel arriving meanwhile is taken next step
+            with self._lock:
+                cancel, self._cancel = self._cancel, set()
+                cancelled = self._drop_waiting(lambda state: state.request.request_id in cancel)
             leaving = [state for state in self.running if state.request.request_id in cancel]
             for state in leaving:
                 self._release_cancelled(state)
             self.leave(leaving)
             cancelled += leaving
         kept = self.running
-        budget = PrefillBudget(self.max_prefill_tokens)
         # Prompts already admitted go on first, in admission order; then new ones while slots
         # and the budget allow.
         chunks = []
         # A comprehension over every running request, the rest over the few prefilling or exhausted.
         decode = [state for state in kept if state.prefilled >= state.prompt_length]
-        if len(decode) < len(kept):
+        prefilling, waiting = len(decode) < len(kept), self._waiting_count > 0
+        budget = PrefillBudget(self.max_prefill_tokens) if prefilling or waiting else None
+        if prefilling:
             for state in [state for state in kept if state.prefilled < state.prompt_length]:
                 if size := budget.take(state.prompt_length - state.prefilled):
                     chunks.append(PrefillChunk(state, state.prefilled, state.prefilled + size))
@@ -193,7 +195,7 @@ class Scheduler:
             # whose token is in flight sits this step out, and overlap stays on for the others.
             decode = [state for state in decode if not (state.host_paced and any(seq.pending for seq in state.live))]
         pending: list[tuple[Sequence, Sequence, int]] = []  # (source, destination, length)
-        admitted = self._admit(now, budget, chunks, pending)
+        admitted = self._admit(now, budget, chunks, pending) if waiting else []
         moves = self._pack()
         copies = [(source.slot, target.slot, length) for source, target, length in pending]
         for _, target, length in pending:
@@ -205,8 +207,9 @@ class Scheduler:
                 for seq in state.sequences[1:]:
                     seq.cached = len(seq.token_ids)
         scrub, self._scrub = self._scrub, []
-        plan = StepPlan(chunks, decode, cancelled, moves, copies, sum(s.reused for s in admitted), admitted, scrub,
-                        running=len(self.running), host_paced=self.host_paced_running)
+        plan = StepPlan(chunks, decode, cancelled, moves, copies, [chunk.state for chunk in chunks if chunk.completes],
+                        sum(chunk.end - chunk.start for chunk in chunks), sum(s.reused for s in admitted), admitted,
+                        scrub, running=len(self.running), host_paced=self.host_paced_running)
         if self.speculative is not None and self.host_paced_running:  # drafters are host-paced
             plan.drafted = propose(decode, self.speculative, plan.prefill_tokens)
         return plan
@@ -327,7 +330,7 @@ class Scheduler:
     def refuse_uncompiled(self) -> list[RequestFailed]:
         """Take the grammars compiled since the last step. Waiting requests whose grammar failed to
         compile (the HTTP side checked it, so this is rare) each fail alone, before holding a slot."""
-        if self.grammars is None:
+        if self.grammars is None or not self._waiting_count:  # only a waiting request awaits one
             return []
         self.grammars.collect()
         errors = self.grammars.errors

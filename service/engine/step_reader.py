@@ -53,9 +53,10 @@ class StepReader:
     def read(self, launched: LaunchedStep, host: np.ndarray, results: StepResults) -> None:
         """Append each sequence's tokens (`host`: the sampler's rows, one per sampled row) and
         report them. The requests a sequence of which ended are added to `launched.ended`."""
-        self._fail_faulty(launched, host)
+        if launched.faults or (len(host) and not np.isfinite(host[:, 1]).all()):  # a failing step alone
+            self._fail_faulty(launched, host)
         # Row by row where the layout was (beams, drafts, grammars, few rows) or a row needs it
-        # (stop token ids, alternatives).
+        # (a draft, a grammar).
         if launched.rows.facts.per_row or launched.rows.facts.table is None:
             self._each(launched, host.tolist(), results)
         else:
@@ -65,9 +66,7 @@ class StepReader:
         """End the requests of the rows that failed: a grammar's mask at launch, or logits that
         were not finite (their log-probability is NaN or infinite: faults.py). Their rows are
         then skipped like those of any sequence that ended since launch."""
-        bad = np.flatnonzero(~np.isfinite(host[:, 1])).tolist() if len(host) else []
-        if not bad and not launched.faults:  # every step but a failing one: one array check, no dict
-            return
+        bad = np.flatnonzero(~np.isfinite(host[:, 1])).tolist()
         faults = dict(launched.faults)
         for row in bad:
             _, seq = launched.rows.sampled[row]
