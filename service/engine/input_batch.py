@@ -92,13 +92,17 @@ class InputBatch:
         for column in (self.seq, self.state, self.request_id, self.index, self.bits, self.ngram, self.top_logprobs):
             column[dst] = column[src]
 
-    def decoding(self, in_use: np.ndarray) -> list[int]:
+    def decoding(self, in_use: np.ndarray, sitting_out: list[int] = ()) -> list[int]:
         """The slots, ascending, whose sequences draw their next token by decoding: in use
-        (`in_use`: the cache's mask), past their prompt (a first token drawn) and not at their last
-        draw already (one the host has not read yet: the core's overlap)."""
+        (`in_use`: the cache's mask), past their prompt (a first token drawn), not at their last
+        draw already (one the host has not read yet: the core's overlap) and not sitting the step
+        out (`sitting_out`: a host-paced sequence whose last token is unread)."""
         table = self.table
         length = table[:, LENGTH]
-        return np.flatnonzero(in_use & (length > table[:, PROMPT_LENGTH]) & (length <= table[:, LAST])).tolist()
+        mask = in_use & (length > table[:, PROMPT_LENGTH]) & (length <= table[:, LAST])
+        if sitting_out:
+            mask[sitting_out] = False
+        return np.flatnonzero(mask).tolist()
 
     def exhausted(self, in_use: np.ndarray) -> list[RequestState]:
         """The requests a sequence of which drew its last token in a step whose tokens the host has
@@ -137,8 +141,10 @@ class InputBatch:
         if bits & STOP_IDS_BIT:
             stop_ids = self.stop_ids[pick].copy() if in_slot_order else self.stop_ids[pick]
         wanted = list(map(self.top_logprobs.__getitem__, slots)) if bits & ALTERNATIVES_BIT else None
-        return RowFacts(features, request_ids, indexes, slot_array, counters, table, bool(bits & PER_ROW_BIT), stop_ids,
-                        wanted)
+        # The rows read with Python of their own (a grammar, a drafter), the others as a batch.
+        own = [i for i, row_bits in enumerate(map(self.bits.__getitem__, slots)) if row_bits & PER_ROW_BIT] \
+            if bits & PER_ROW_BIT else None
+        return RowFacts(features, request_ids, indexes, slot_array, counters, table, False, stop_ids, wanted, own)
 
     def gather_features(self, slots: list[int], slot_array: np.ndarray, counters: np.ndarray) -> RowFacts:
         """The same for a step read row by row: the rows' features alone."""

@@ -4,8 +4,9 @@ queued (on CUDA a host→device copy waits for queued work, so making them after
 launched would stall the host until they finish).
 
 Two ways to the same layout: from the input batch (service/engine/input_batch.py) when every
-row draws one token from the sampler and enough run for array operations to pay; row by row from
-the sequences otherwise (beams, drafts, grammars, few rows). This is the one place that chooses.
+row draws one token from the sampler and enough run for array operations to pay (grammars and
+drafters without a draft this step among them); row by row from the sequences otherwise (a beam
+search, a step verifying drafts, few rows). This is the one place that chooses.
 """
 
 from __future__ import annotations
@@ -42,15 +43,17 @@ class StepLayout:
         # those that do took the next free slots, sampled row b is logits row b and slot b for
         # every b: the read path without gathers. (A prompt admitted into a slot a finished
         # sequence left inside the batch, the usual case under heavy churn, still gathers.)
-        if plan.host_paced or plan.running < BATCHED_ROWS:
-            return self._each(plan)  # beams, drafts or grammars (some rows need their own), or few rows
+        # A beam chooses its own tokens and a draft verifies 1 + k positions: rows of their own. A
+        # grammar's rows (and a drafter's without a draft this step) draw like any other.
+        if plan.beams or plan.drafted or plan.running < BATCHED_ROWS:
+            return self._each(plan)
         return self._batch(plan)
 
     def _batch(self, plan: StepPlan) -> StepRows:
         """Every row draws one token from the sampler: who holds each slot and its length come from
         the input batch, and the decode feeds the sampler's last tokens."""
         batch = self.batch
-        slots = batch.decoding(self.cache.in_use)  # plan.decode's sequences' slots
+        slots = batch.decoding(self.cache.in_use, plan.sitting_out)  # plan.decode's sequences' slots
         decoding = list(map(batch.seq.__getitem__, slots))
         sampled = list(zip(map(batch.state.__getitem__, slots), decoding))
         row_of = dict(zip(slots, range(len(slots))))

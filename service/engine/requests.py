@@ -145,3 +145,5 @@ class StepPlan:
     running: int = 0  # requests running after admission
     # Of which some need each token on the host before their next step (beams, drafts, grammars).
     host_paced: int = 0
+    beams: int = 0  # of which beam searches
+    sitting_out: list[int] = field(default_factory=list)  # slots of host-paced sequences not stepped

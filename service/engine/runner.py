@@ -80,7 +80,7 @@ class ModelRunner:
             rows = self.layout.layout(plan)
             logits = self._run(plan, rows)
             launched = self.sampler.launch(logits, rows, completing + plan.decode, completing, deferred)
-        if plan.host_paced:  # beams among them, perhaps: they read the step's logits themselves
+        if plan.beams:  # they read the step's logits themselves
             launched.logits = logits
         if not rows.drafted:  # a drafted step's lengths are known once its tokens are read
             self.batch.drew(rows.facts.slots, rows.in_slot_order)

@@ -103,6 +103,7 @@ class Scheduler:
         # them by their prompt's first token (only those can share a prefix with a new prompt).
         self.running: list[RequestState] = []
         self.host_paced_running = 0
+        self.beams_running = 0  # of which beam searches
         self._by_first_token: dict[int, list[RequestState]] = {}
         self._lock = threading.Lock()
         self._waiting: deque[list[RequestState]] = deque()  # submissions, in arrival order
@@ -190,10 +191,13 @@ class Scheduler:
         if exhausted:
             done = {id(state) for state in exhausted}
             decode = [state for state in decode if id(state) not in done]
+        sitting_out = []
         if in_flight and self.host_paced_running:
             # Its next step needs its last token on the host (a grammar's mask, a draft): a request
             # whose token is in flight sits this step out, and overlap stays on for the others.
-            decode = [state for state in decode if not (state.host_paced and any(seq.pending for seq in state.live))]
+            sitting_out = [state for state in decode if state.host_paced and any(seq.pending for seq in state.live)]
+            if sitting_out:
+                decode = [state for state in decode if not (state.host_paced and any(seq.pending for seq in state.live))]
         pending: list[tuple[Sequence, Sequence, int]] = []  # (source, destination, length)
         admitted = self._admit(now, budget, chunks, pending) if waiting else []
         moves = self._pack()
@@ -209,7 +213,8 @@ class Scheduler:
         scrub, self._scrub = self._scrub, []
         plan = StepPlan(chunks, decode, cancelled, moves, copies, [chunk.state for chunk in chunks if chunk.completes],
                         sum(chunk.end - chunk.start for chunk in chunks), sum(s.reused for s in admitted), admitted,
-                        scrub, running=len(self.running), host_paced=self.host_paced_running)
+                        scrub, running=len(self.running), host_paced=self.host_paced_running, beams=self.beams_running,
+                        sitting_out=[seq.slot for state in sitting_out for seq in state.live])
         if self.speculative is not None and self.host_paced_running:  # drafters are host-paced
             plan.drafted = propose(decode, self.speculative, plan.prefill_tokens)
         return plan
@@ -295,6 +300,7 @@ class Scheduler:
             self.cache.free(slots)
             raise
         self.host_paced_running += state.host_paced
+        self.beams_running += state.beam is not None
         self._by_first_token.setdefault(state.request.prompt_ids[0], []).append(state)
         if match is None:
             return
@@ -431,6 +437,7 @@ class Scheduler:
         gone = {id(state) for state in states}
         self.running = [s for s in self.running if id(s) not in gone]
         self.host_paced_running -= sum(state.host_paced for state in states)
+        self.beams_running -= sum(state.beam is not None for state in states)
         for first_token in {state.request.prompt_ids[0] for state in states}:
             kept = [s for s in self._by_first_token.get(first_token, ()) if id(s) not in gone]
             if kept:
@@ -442,7 +449,7 @@ class Scheduler:
         """Free every running request's slots (after a failed step) and forget them, and
         everything the cache kept: a failed step may have left any slot half-written."""
         aborted, self.running = self.running, []
-        self.host_paced_running = 0
+        self.host_paced_running = self.beams_running = 0
         self._by_first_token.clear()
         for state in aborted:
             self._release_cancelled(state)

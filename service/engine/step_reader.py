@@ -89,17 +89,29 @@ class StepReader:
         facts, sampled = launched.rows.facts, launched.rows.sampled
         tokens, logprobs, counters, table = host[:, 0].astype(np.int64), host[:, 1], facts.counters, facts.table
         request_ids, indexes, stop_ids, wanted = facts.request_ids, facts.indexes, facts.stop_ids, facts.wanted
-        rows = None  # the host rows kept, when some were dropped
+        own, kept = facts.own, None
+        if own:  # a grammar's or a drafter's rows: read on their own, after the others
+            kept = np.ones(len(sampled), dtype=bool)
+            kept[own] = False
+            for i in own:
+                state, seq = sampled[i]
+                if seq.finish_reason is None:
+                    self._read_sequence(launched, state, seq, [host[i].tolist()], results)
         if launched.releases != self.scheduler.releases:  # a sequence ended since launch: one of these?
-            alive = [seq.finish_reason is None for _, seq in sampled]
-            if not all(alive):
-                keep = np.flatnonzero(alive)
-                tokens, logprobs, counters, table = tokens[keep], logprobs[keep], counters[keep], table[keep]
-                rows = picks = keep.tolist()
-                sampled = [sampled[i] for i in picks]
-                request_ids, indexes = [request_ids[i] for i in picks], [indexes[i] for i in picks]
-                stop_ids = stop_ids[keep] if stop_ids is not None else None
-                wanted = [wanted[i] for i in picks] if wanted is not None else None
+            alive = np.fromiter((seq.finish_reason is None for _, seq in sampled), dtype=bool, count=len(sampled))
+            if kept is not None:
+                alive[own] = True  # read above, whatever became of them
+            if not alive.all():
+                kept = alive if kept is None else kept & alive
+        rows = None  # the host rows kept, when some were dropped
+        if kept is not None:
+            keep = np.flatnonzero(kept)
+            tokens, logprobs, counters, table = tokens[keep], logprobs[keep], counters[keep], table[keep]
+            rows = picks = keep.tolist()
+            sampled = [sampled[i] for i in picks]
+            request_ids, indexes = [request_ids[i] for i in picks], [indexes[i] for i in picks]
+            stop_ids = stop_ids[keep] if stop_ids is not None else None
+            wanted = [wanted[i] for i in picks] if wanted is not None else None
         eos = tokens == table[:, EOS]
         if stop_ids is not None:  # a stop token id ends a sequence as EOS does
             eos |= (tokens[:, None] == stop_ids).any(axis=1)
@@ -126,46 +138,48 @@ class StepReader:
 
     def _each(self, launched: LaunchedStep, host: list[list[float]], results: StepResults) -> None:
         """Row by row: its draft's tokens that stand, then the model's own."""
-        sampled, n, ended = launched.rows.sampled, launched.alternatives, launched.ended
+        sampled = launched.rows.sampled
         start = 0
         while start < len(sampled):
             state, seq = sampled[start]
-            if seq.finish_reason is not None:  # ended (or cancelled) since its step was launched
-                start += 1
-                continue
-            if not seq.draft and seq.drafter is None:  # one token, no draft to judge
-                row = host[start]
-                token = self._advance(state, seq, row, alternatives(row, n, state.params.top_logprobs) if n else None,
-                                      launched)
-                if token is not None:
-                    results.tokens.append(token)
-                    if token[4] is not None:  # its finish reason
-                        ended.append(state)
-                results.decode_output_tokens += len(seq.token_ids) - 1 > seq.prompt_length
-                start += 1
-                continue
             end = start + 1 + len(seq.draft)
-            draft, decoding = seq.draft, len(seq.token_ids) > seq.prompt_length
-            keep = kept_length([int(row[0]) for row in host[start:end]], draft)
-            emitted = 0
-            for row in host[start : start + keep]:
-                top = alternatives(row, n, state.params.top_logprobs) if n else None
-                token = self._advance(state, seq, row, top, launched)
-                if token is None:  # its grammar failed: the request has ended
-                    break
-                results.tokens.append(token)
-                emitted += 1
-                if seq.finish_reason is not None:
-                    ended.append(state)
-                    break
-            if decoding:
-                results.decode_output_tokens += emitted
-                results.draft_tokens += len(draft)
-                results.accepted_tokens += emitted - 1
-                if seq.drafter is not None:
-                    seq.acceptance.record(len(draft), keep - 1)
-            seq.draft = []
+            if seq.finish_reason is None:  # else ended (or cancelled) since its step was launched
+                self._read_sequence(launched, state, seq, host[start:end], results)
             start = end
+
+    def _read_sequence(self, launched: LaunchedStep, state: RequestState, seq: Sequence, rows: list[list[float]],
+                       results: StepResults) -> None:
+        """One sequence's rows of the step (1 + k with a draft of k)."""
+        n = launched.alternatives
+        if not seq.draft and seq.drafter is None:  # one token, no draft to judge
+            row = rows[0]
+            token = self._advance(state, seq, row, alternatives(row, n, state.params.top_logprobs) if n else None, launched)
+            if token is not None:
+                results.tokens.append(token)
+                if token[4] is not None:  # its finish reason
+                    launched.ended.append(state)
+            results.decode_output_tokens += len(seq.token_ids) - 1 > seq.prompt_length
+            return
+        draft, decoding = seq.draft, len(seq.token_ids) > seq.prompt_length
+        keep = kept_length([int(row[0]) for row in rows], draft)
+        emitted = 0
+        for row in rows[:keep]:
+            top = alternatives(row, n, state.params.top_logprobs) if n else None
+            token = self._advance(state, seq, row, top, launched)
+            if token is None:  # its grammar failed: the request has ended
+                break
+            results.tokens.append(token)
+            emitted += 1
+            if seq.finish_reason is not None:
+                launched.ended.append(state)
+                break
+        if decoding:
+            results.decode_output_tokens += emitted
+            results.draft_tokens += len(draft)
+            results.accepted_tokens += emitted - 1
+            if seq.drafter is not None:
+                seq.acceptance.record(len(draft), keep - 1)
+        seq.draft = []
 
     def _advance(
         self, state: RequestState, seq: Sequence, row: list[float], top: TopLogprobs | None, launched: LaunchedStep,

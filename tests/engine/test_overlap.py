@@ -170,3 +170,32 @@ def test_tokens_arrive_one_step_later_with_overlap(make_engine):
         counts[overlap] = [len(engine.step().events) for _ in range(4 + overlap)]
     assert counts[False] == [1, 1, 1, 0]
     assert counts[True] == [0, 1, 1, 1, 0]
+
+
+def test_grammars_and_drafters_ride_the_batched_step(make_engine, monkeypatch):
+    """A grammar's rows and a drafter's rows without a draft this step are laid out from the input
+    batch beside plain rows and read there on their own: the outputs are the row-by-row layout's,
+    with overlap on and off, and the batched layout ran while they did."""
+    import service.engine.layout as layout_module
+
+    entries = MIXED[:6] + [GRAMMAR, (3, 15, 6, dict(max_new_tokens=14, speculate=True))]
+    outcomes = {}
+    for batched in (True, False):
+        monkeypatch.setattr(layout_module, "BATCHED_ROWS", 1 if batched else 10**9)
+        for overlap in (False, True):
+            engine_steps = []
+            real_batch = layout_module.StepLayout._batch
+
+            def counting(self, plan, real_batch=real_batch):
+                engine_steps.append(plan.host_paced)
+                return real_batch(self, plan)
+
+            monkeypatch.setattr(layout_module.StepLayout, "_batch", counting)
+            outcomes[batched, overlap], _ = run(make_engine, entries, overlap, max_slots=12,
+                                                speculative=NgramSettings())
+            monkeypatch.setattr(layout_module.StepLayout, "_batch", real_batch)
+            if batched:
+                assert sum(1 for paced in engine_steps if paced) > 5  # laid out as a batch with them
+            else:
+                assert not engine_steps
+    assert outcomes[True, False] == outcomes[False, False] == outcomes[True, True] == outcomes[False, True]
