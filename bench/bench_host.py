@@ -43,6 +43,11 @@ call counts and shares from it, never the timings printed beside it.
 IPC, no device pacing, N requests always running and replaced as they end), its CPU time per
 row-step at each --streams count as the number running: a steadier figure for the core's own
 bookkeeping, where a server's depends on how full its clients keep the batch.
+`--core-only --mix SPEC [--each]`: the core alone under mixed load (bench/host_core.py --mix:
+`all`, or `grammar=1/16,beam=1/64,ngram=1/16,top_logprobs=1/16,stop_ids=1/16,lora=1/16`): per
+checkout and round, host µs per row-step of the plain batch and of the mix (with --each, of every
+feature alone too) in the same process, the ratio to plain and the share of steps run with
+overlap on; then medians over rounds. The issue's goal: at most 1.5x plain, overlap on.
 A tiny model is served (one 64-wide layer, GPT-2's vocabulary and tokenizer): with the stand-ins
 its size changes nothing but the memory the KV cache takes.
 """
@@ -74,6 +79,7 @@ from tests.processes import api_server_pids, cpu_seconds, engine_core_pid
 
 LAUNCHER = "gpt2_host_standin"  # bench/host_standin.py's name beside another checkout
 CORE_ONLY = "gpt2_host_core"  # bench/host_core.py's
+MIX = "gpt2_host_mix"  # bench/host_mix.py's
 MIN_TOKENS = 2048  # per measurement: enough clock ticks (10 ms) of CPU time to read
 
 
@@ -198,11 +204,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="each server's processes time their garbage collections: PATH.<checkout>.<process>.json")
     parser.add_argument("--core-only", action="store_true", help="the engine core alone, in process (bench/host_core.py)")
     parser.add_argument("--overlap", action="store_true", help="--core-only: with the core's overlap on (as on CUDA)")
+    parser.add_argument("--mix", default=None, metavar="SPEC",
+                        help="--core-only: the plain batch beside a mix of features (all | grammar=1/16,beam=1/64,...)")
+    parser.add_argument("--each", action="store_true", help="--mix: also every feature of the mix alone")
     add_smoke_argument(parser)
     args = parser.parse_args(argv)
+    if (args.mix is not None or args.each) and not args.core_only:
+        parser.error("--mix and --each measure the core alone: add --core-only")
+    if args.each and args.mix is None:
+        parser.error("--each runs the features of --mix: name them (--mix all)")
     args.min_tokens = MIN_TOKENS
     if args.smoke:
-        args.streams, args.new_tokens, args.requests_per_stream, args.rounds, args.device_ms = [1, 4], 4, 1, 1, 0.0
+        args.streams = [8] if args.mix is not None else [1, 4]  # a mix's beam search holds 4 slots
+        args.new_tokens, args.requests_per_stream, args.rounds, args.device_ms = 4, 1, 1, 0.0
         args.min_tokens = 0
     return args
 
@@ -221,6 +235,9 @@ def main(argv: list[str] | None = None) -> None:
         shutil.copy(here / "bench" / "host_standin.py", launcher_dir / f"{LAUNCHER}.py")
         if args.core_only:
             shutil.copy(here / "bench" / "host_core.py", launcher_dir / f"{CORE_ONLY}.py")
+            shutil.copy(here / "bench" / "host_mix.py", launcher_dir / f"{MIX}.py")
+            if args.mix is not None:
+                return compare_mixes(checkouts, launcher_dir, args)
             return compare_cores(checkouts, launcher_dir, args)
         model_dir = write_random_model(Path(tmp) / "tiny", TINY)
         texts = prompt_texts(max(max(args.streams), 17), 8)
@@ -258,20 +275,25 @@ def main(argv: list[str] | None = None) -> None:
                   args.streams)
 
 
+def run_core(checkout: Path, launcher_dir: Path, running: int, options: list[str], smoke: bool) -> dict:
+    """bench/host_core.py (copied into `launcher_dir`) in `checkout`: its JSON line."""
+    command = [sys.executable, "-m", CORE_ONLY, "--running", str(running), *options]
+    if smoke:
+        command += ["--steps", "5", "--warmup-steps", "5"]
+    done = subprocess.run(command, cwd=checkout, capture_output=True, text=True, check=False,
+                          env=os.environ | {"PYTHONPATH": f"{launcher_dir}{os.pathsep}{checkout}"})
+    if done.returncode:
+        raise RuntimeError(f"{checkout}: {' '.join(command)} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def compare_cores(checkouts: dict[str, Path], launcher_dir: Path, args: argparse.Namespace) -> None:
     """bench/host_core.py in each checkout, alternating rounds; medians and new/old."""
     costs: dict[tuple[str, int], list[float]] = {}
     for round_ in range(args.rounds):
         for running in args.streams:
             for name in checkouts if round_ % 2 == 0 else reversed(checkouts):
-                command = [sys.executable, "-m", CORE_ONLY, "--running", str(running)] + ["--overlap"] * args.overlap
-                if args.smoke:
-                    command += ["--steps", "5", "--warmup-steps", "5"]
-                done = subprocess.run(command, cwd=checkouts[name], capture_output=True, text=True, check=False,
-                                      env=os.environ | {"PYTHONPATH": f"{launcher_dir}{os.pathsep}{checkouts[name]}"})
-                if done.returncode:
-                    raise RuntimeError(f"{name}: {' '.join(command)} failed:\n{done.stderr[-3000:]}")
-                result = json.loads(done.stdout.strip().splitlines()[-1])
+                result = run_core(checkouts[name], launcher_dir, running, ["--overlap"] * args.overlap, args.smoke)
                 costs.setdefault((name, running), []).append(result["us_per_row_step"])
                 share = result.get("slot_order_share")
                 print(f"round {round_} {name:3s} {running:4d} running: core {result['us_per_row_step']:6.2f} µs/row-step,"
@@ -282,6 +304,38 @@ def compare_cores(checkouts: dict[str, Path], launcher_dir: Path, args: argparse
         medians = {name: statistics.median(costs[(name, running)]) for name in checkouts}
         ratio = f"  new/old {medians['new'] / medians['old']:.2f}x" if "old" in medians else ""
         print(f"{running:5d} running: " + "  ".join(f"{n} {m:.2f}" for n, m in medians.items()) + ratio)
+
+
+def compare_mixes(checkouts: dict[str, Path], launcher_dir: Path, args: argparse.Namespace) -> None:
+    """bench/host_core.py --mix in each checkout, alternating rounds: each round's table, then per
+    feature the medians of µs per row-step, of the ratio to the same run's plain batch and of
+    the share of steps with overlap on (new/old: the two checkouts' µs per row-step)."""
+    options = ["--mix", args.mix] + ["--each"] * args.each
+    if args.smoke:  # requests short enough to finish (and show their features) within the warm-up
+        options += ["--new-tokens", "4", "--steps", "4", "--warmup-steps", "30", "--rounds", "2"]
+    rows: dict[tuple[str, int, str], list[dict]] = {}
+    for round_ in range(args.rounds):
+        for running in args.streams:
+            for name in checkouts if round_ % 2 == 0 else reversed(checkouts):
+                result = run_core(checkouts[name], launcher_dir, running, options, smoke=False)
+                for row in result["rows"]:
+                    rows.setdefault((name, running, row["feature"]), []).append(row)
+                    print(f"round {round_} {name:3s} {running:4d} running {row['feature']:<13s}"
+                          f" {row['us_per_row_step']:7.2f} µs/row-step {row['ratio']:5.2f}x plain,"
+                          f" overlap on {row['overlap_share']:4.0%}", flush=True)
+    print(f"\ncore alone under mixed load ({args.mix}), medians over rounds "
+          f"({', '.join(f'{n}: {p}' for n, p in checkouts.items())}); goal: at most 1.5x plain, overlap on")
+    print(f"{'running':>7s} {'feature':<13s} " + " ".join(f"{n + ' µs/row-step':>16s} {n + ' x plain':>12s} {n + ' overlap':>12s}"
+                                                     for n in checkouts) + ("  new/old" if "old" in checkouts else ""))
+    for running in args.streams:
+        for feature in dict.fromkeys(f for (_, r, f) in rows if r == running):
+            medians = {name: {key: statistics.median(row[key] for row in rows[(name, running, feature)])
+                              for key in ("us_per_row_step", "ratio", "overlap_share")}
+                       for name in checkouts if (name, running, feature) in rows}
+            line = " ".join(f"{m['us_per_row_step']:16.2f} {m['ratio']:11.2f}x {m['overlap_share']:12.0%}" for m in medians.values())
+            if "old" in medians and "new" in medians:
+                line += f"  {medians['new']['us_per_row_step'] / medians['old']['us_per_row_step']:6.2f}x"
+            print(f"{running:7d} {feature:<13s} {line}")
 
 
 def print_summary(costs: dict[tuple[str, int], list[HostCost]], checkouts: dict[str, Path | str], streams: list[int]) -> None:

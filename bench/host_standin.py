@@ -18,6 +18,16 @@ Left out with the device work: the kernels' launches (on a GPU each is a few µs
 which CUDA graphs fold into one), any wait for the device, and every cost proportional to the
 vocabulary (the logits gather, top-k alternatives, penalties' [B, V] masks).
 
+`install(core, vocabulary=True)` (bench/host_core.py's mixed load) keeps what the features need
+instead: the forwards return rows of one cached random [rows, V] tensor (a view per step: no
+compute, no copy), so alternatives, grammar masks and beams' candidates see real [B, V] logits;
+the draw's ids repeat with a period of PERIOD positions (so n-gram drafts find their loop and
+stand), are never the vocabulary's last id (its EOS), and where a row's grammar forbids the id
+(its logit is -inf) the row takes its best allowed token; a LoRA forward builds its rows'
+adapter groups (`LoraRows.over_tokens`, the host's part of it). Meant for a model of a small
+vocabulary (host_core.py's: V = 512, with GPT-2's first 511 tokens), since every vocabulary-wide
+operation the device would run costs host CPU here.
+
 With $STANDIN_GC_LOG set to a path, each process (HTTP, engine core) times its garbage
 collections and writes them to PATH.http.json, PATH.gpt2-engine-core.json as it exits.
 
@@ -64,16 +74,78 @@ def standin_forward_packed(input_ids: torch.Tensor, *args, **kwargs) -> ForwardO
     return ForwardOutput(logits=None, head_input=torch.zeros(input_ids.shape[0], 1))  # [N, 1]
 
 
+# With `install(core, vocabulary=True)`: the vocabulary's size (its last id is EOS), the period of
+# the drawn ids, and the cached random logits the forwards hand out rows of.
+VOCABULARY: int | None = None
+PERIOD = 8
+_LOGITS = torch.empty(0, 0)
+
+
+def random_logits(rows: int, vocabulary: int) -> torch.Tensor:
+    """The first `rows` rows of the cached random [rows, V] tensor (a view), grown when short."""
+    global _LOGITS
+    if _LOGITS.shape[0] < rows or _LOGITS.shape[1] != vocabulary:
+        generator = torch.Generator().manual_seed(0)
+        _LOGITS = torch.randn(max(rows, 2 * _LOGITS.shape[0], 1024), vocabulary, generator=generator)
+    return _LOGITS[:rows]
+
+
+def standin_ids(counter: torch.Tensor) -> torch.Tensor:
+    """The stand-in's draw at each counter (the sequence's length at the draw), before any mask."""
+    if VOCABULARY is None:
+        return (counter * TOKEN_STRIDE) % TOKEN_RANGE
+    return ((counter % PERIOD) * TOKEN_STRIDE) % (VOCABULARY - 1)
+
+
 def standin_choose_tokens(logits: torch.Tensor, params, counter: torch.Tensor, seen=None):
-    time.sleep(DEVICE_SECONDS)
-    tokens = (counter * TOKEN_STRIDE) % TOKEN_RANGE  # [B]
+    if DEVICE_SECONDS:  # sleep(0) still yields the CPU: under load, wall time the core never used
+        time.sleep(DEVICE_SECONDS)
+    tokens = standin_ids(counter)  # [B]
+    if VOCABULARY is not None and logits.shape[0]:
+        banned = torch.isneginf(logits.gather(1, tokens[:, None])[:, 0])  # a grammar forbids the id
+        if banned.any():
+            rows = banned.nonzero()[:, 0]
+            tokens[rows] = logits[rows].argmax(dim=1)
     return tokens, torch.zeros(tokens.shape[0])
 
 
-def install(core) -> None:
-    core.model.forward = standin_forward
-    core.model.forward_packed = standin_forward_packed
-    core.model.lm_head = lambda x: x  # forward_from's head over [N, 1] zeros
+class VocabularyForwards:
+    """The forwards of `install(core, vocabulary=True)`: random logits rows, and the count of
+    forwards that carried adapter rows (`lora_forwards`: a LoRA mix can check its rows reached them)."""
+
+    def __init__(self, vocabulary: int) -> None:
+        self.vocabulary = vocabulary
+        self.lora_forwards = 0
+
+    def forward(self, input_ids: torch.Tensor, *args, lora=None, **kwargs) -> ForwardOutput:
+        batch, width = input_ids.shape
+        if lora is not None:
+            self.lora_forwards += 1
+            lora.over_tokens([width] * batch, input_ids.device)
+        return ForwardOutput(logits=random_logits(batch * width, self.vocabulary).view(batch, width, -1))  # [B, T, V]
+
+    def forward_packed(self, input_ids: torch.Tensor, packing, cache, rows, kv_length, output_hidden_states=False,
+                       one_query_per_call=False, lora=None) -> ForwardOutput:
+        if lora is not None:  # as the model counts a packed row's tokens on a GPU
+            self.lora_forwards += 1
+            lora.over_tokens(torch.bincount(packing.index // packing.width, minlength=packing.batch).tolist(), input_ids.device)
+        return ForwardOutput(logits=None, head_input=random_logits(input_ids.shape[0], self.vocabulary))  # [N, V]
+
+
+def install(core, vocabulary: bool = False) -> VocabularyForwards | None:
+    """`vocabulary`: logits as wide as the model's vocabulary (see the module's docstring)."""
+    global VOCABULARY
+    core.model.lm_head = lambda x: x  # forward_from's head over what forward_packed returned
+    if not vocabulary:
+        core.model.forward = standin_forward
+        core.model.forward_packed = standin_forward_packed
+        return None
+    VOCABULARY = core.model.config.vocab_size
+    if core.eos_token_id != VOCABULARY - 1:
+        raise ValueError(f"the stand-in draws ids below {VOCABULARY - 1}, taken as EOS; the core's is {core.eos_token_id}")
+    forwards = VocabularyForwards(VOCABULARY)
+    core.model.forward, core.model.forward_packed = forwards.forward, forwards.forward_packed
+    return forwards
 
 
 def _profiled(run, suffix: str):

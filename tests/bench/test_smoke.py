@@ -182,6 +182,48 @@ def test_bench_host_core_only_times_the_core_of_two_checkouts():
     assert_columns(out, "core alone, CPU µs per row-step", "running: new", "new/old")
 
 
+def test_host_core_mix_runs_every_feature_through_the_standin():
+    """The issue's mix, each feature alone and all together, on the stand-in core: the table and
+    the JSON line, and every feature's requests show the feature in their outputs (the stand-in
+    must not drop one: host_core also exits 1 then)."""
+    out = run_bench("host_core", "--running", 8, "--steps", 4, "--rounds", 2, "--warmup-steps", 30, "--new-tokens", 4,
+                    "--mix", "all", "--each")
+    assert_columns(out, "µs/row-step", "plain beside", "x plain", "overlap on", "rows/step", "what its requests did")
+    result = json.loads(out.strip().splitlines()[-1])
+    rows = {row["feature"]: row for row in result["rows"]}
+    assert list(rows) == ["plain", "grammar", "beam", "ngram", "top_logprobs", "stop_ids", "lora", "all"]
+    assert rows["plain"]["overlap_share"] == 1.0 and rows["plain"]["ratio"] == 1.0
+    for row in result["rows"]:
+        assert row["us_per_row_step"] > 0 and row["rows_per_step"] > 0 and 0 <= row["overlap_share"] <= 1, row
+        assert row["failed"] == 0, row
+    assert set(rows["all"]["evidence"]) == set(list(rows)[1:-1])
+    for name in list(rows)[1:]:
+        evidence = rows[name]["evidence"]
+        assert set(evidence) == ({name} if name != "all" else set(rows["all"]["evidence"])), evidence
+        if "grammar" in evidence:  # accepted by the grammar, and not what the stand-in draws unmasked
+            grammar = evidence["grammar"]
+            assert grammar["finished"] >= 1 and grammar["steered"] == grammar["finished"] and grammar["invalid"] == 0, grammar
+        if "beam" in evidence:
+            assert evidence["beam"]["finished"] >= 1 and evidence["beam"]["with_hypotheses"] == evidence["beam"]["finished"]
+        if "ngram" in evidence:
+            assert evidence["ngram"]["accepted_tokens"] >= 1, evidence["ngram"]
+        if "top_logprobs" in evidence:
+            top = evidence["top_logprobs"]
+            assert top["tokens"] >= 1 and top["with_alternatives"] == top["tokens"], top
+        if "stop_ids" in evidence:
+            stops = evidence["stop_ids"]
+            assert stops["finished"] >= 1 and stops["stopped_by_id"] == stops["finished"], stops
+        if "lora" in evidence:
+            assert evidence["lora"]["finished"] >= 1 and evidence["lora"]["forwards_with_adapter_rows"] >= 1
+        assert all(facts["used"] for facts in evidence.values()), evidence
+
+
+def test_bench_host_core_only_measures_a_mix_beside_the_plain_batch():
+    out = run_bench("bench_host", "--smoke", "--core-only", "--mix", "stop_ids=1/4")
+    assert_columns(out, "core alone under mixed load (stop_ids=1/4)", "new µs/row-step", "new x plain", "new overlap")
+    assert re.search(r"^\s+8 plain\s", out, re.MULTILINE) and re.search(r"^\s+8 mix\s", out, re.MULTILINE), out
+
+
 def test_bench_prefix_runs_every_workload_and_stops_its_servers(tiny_model_dir, tmp_path):
     """--chunk = --prefill-tokens: "chunked" and "whole" are the "on" server, so every workload
     runs on two servers. Stopping them crashed bench_prefix and bench_speculative at the end."""
