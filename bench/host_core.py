@@ -130,9 +130,9 @@ class Workload:
         rows = overlapped = 0
         core, evidence, count_overlap = self.core, self.evidence, self.count_overlap
         for _ in range(steps):
+            out = core.step()
             if count_overlap:
                 overlapped += overlap_on(core)
-            out = core.step()
             rows += out.stats.batch_size
             if evidence is not None:
                 evidence.record(out)
@@ -159,9 +159,8 @@ class Workload:
 
 
 def overlap_on(core: EngineCore) -> bool:
-    """Whether the core's next step launches before reading the previous one's tokens: its own
-    test (EngineCore.step), read from outside."""
-    return bool(core.overlap and not core.scheduler.host_paced_running)
+    """Whether the step just run left its tokens in flight, to be read after the next one launches."""
+    return core.running_ahead
 
 
 def build_core(running: int, overlap: bool, vocabulary: int = DEFAULT_VOCABULARY, features: frozenset = frozenset(),

@@ -118,6 +118,11 @@ class EngineCore:
     def has_work(self) -> bool:
         return self.scheduler.has_work() or self._launched is not None
 
+    @property
+    def running_ahead(self) -> bool:
+        """The last step left its tokens in flight (overlap): they are read after the next launch."""
+        return self._launched is not None
+
     # --- one step -------------------------------------------------------------------------------
     def step(self) -> CoreStep:
         started = self.clock()

@@ -149,7 +149,8 @@ class InputBatch:
     def gather_features(self, slots: list[int], slot_array: np.ndarray, counters: np.ndarray) -> RowFacts:
         """The same for a step read row by row: the rows' features alone."""
         features, bits = self._features(slots)
-        return RowFacts(features, [], [], slot_array, counters, None, bool(bits & PER_ROW_BIT))
+        wanted = list(map(self.top_logprobs.__getitem__, slots)) if bits & ALTERNATIVES_BIT else None
+        return RowFacts(features, [], [], slot_array, counters, None, bool(bits & PER_ROW_BIT), wanted=wanted)
 
     def _features(self, slots: list[int]) -> tuple[RowFeatures, int]:
         """Which sampling stages the rows on `slots` use, and all their bits together."""

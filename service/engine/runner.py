@@ -115,6 +115,8 @@ class ModelRunner:
         decoded = self._decode(rows) if rows.decoding else None
         prefilled = self._prefill(plan.prefill) if plan.prefill else None
         parts = [part for part in (decoded, prefilled) if part is not None]
+        if not parts:  # every sequence of the plan ended when the step before it was read (drafts)
+            return torch.empty(0, self.model.config.vocab_size, device=self.device)
         return torch.cat(parts) if len(parts) > 1 else parts[0]
 
     def _prefill(self, chunks: list[PrefillChunk]) -> torch.Tensor:

@@ -14,6 +14,7 @@ import torch
 
 from model.sampling import choose_tokens
 from model.scoring import top_alternatives
+from model.transfer import to_device
 from service.engine.faults import NonfiniteInjection, grammar_failed
 from service.engine.grammar import Grammars
 from service.engine.input_batch import InputBatch
@@ -64,8 +65,7 @@ class StepSampler:
         # Alternatives: as many as the most demanding row asked for; each row keeps its own count.
         n = features.top_logprobs
         if n:
-            top_ids, top_logprobs = top_alternatives(step_logits.float(), n)  # [B, n], [B, n]
-            columns += [top_ids.double(), top_logprobs.double()]
+            columns.append(self._alternatives(step_logits, rows.facts.wanted, n))
         # The sampler's one device→host copy: tokens, their log-probs and alternatives together
         # (float64 holds every token id exactly). [B, 2 + 2n]. Queued, not waited for: on CUDA
         # the host goes on (non_blocking lands in pinned memory) and `read` waits for the event.
@@ -75,6 +75,20 @@ class StepSampler:
             ready = torch.cuda.Event()
             ready.record()
         return LaunchedStep(rows, active, completing, host, n, ready, deferred, faults=faults)
+
+    def _alternatives(self, step_logits: torch.Tensor, wanted: list[int], n: int) -> torch.Tensor:
+        """[B, 2n]: the n most likely ids and their log-probs for the rows that asked (`wanted`: each
+        row's count), zeros for the others: the top-n over the vocabulary runs on those rows alone.
+        Both functions work row by row, so a row's alternatives do not depend on its neighbours."""
+        asked = [row for row, count in enumerate(wanted) if count]
+        if len(asked) == len(wanted):
+            top_ids, top_logprobs = top_alternatives(step_logits.float(), n)  # [B, n], [B, n]
+            return torch.cat([top_ids.double(), top_logprobs.double()], dim=1)
+        index = to_device(asked, step_logits.device)
+        top_ids, top_logprobs = top_alternatives(step_logits[index].float(), n)  # [k, n], [k, n]
+        out = torch.zeros(len(wanted), 2 * n, dtype=torch.float64, device=step_logits.device)
+        out[index] = torch.cat([top_ids.double(), top_logprobs.double()], dim=1)
+        return out
 
     def read(self, launched: LaunchedStep) -> np.ndarray:
         """The launched step's host rows [B, 2 + 2n], one per sampled row (`launched.rows.sampled`),
