@@ -11,7 +11,7 @@ vLLM v1's EngineCore.step:
 
 With overlap (CUDA) step n + 1 is executed before step n's tokens are read, whatever runs: a
 request that needs its last token on the host (a grammar's mask, a draft) sits out the steps
-launched before that token was read, and a drafted step is read at once. The scheduler and the
+launched before that token was read. The scheduler and the
 runner never call each other: this loop passes the plan down and the tokens up. Beam search still
 reads its logits on the host between execute and update (the step's device work is waited for).
 
@@ -142,12 +142,8 @@ class EngineCore:
             prefill_tokens, cached_tokens = plan.prefill_tokens, plan.cached_tokens
             if plan.host_paced:  # beams among them: one output token per step each
                 results.decode_output_tokens += sum(len(s.live) for s in plan.decode if s.beam is not None)
-            if plan.drafted and previous is not None:  # a draft's forward feeds the host's tokens
-                self._update(previous, results)
-                previous = None
             runner.prepare(plan)
-            # A drafted step's lengths are known only once it is read: it is read at once.
-            deferred = self.overlap and not plan.drafted
+            deferred = self.overlap
             launched = None
             if plan.prefill or plan.decode:
                 launched = runner.execute(plan, deferred)

@@ -34,12 +34,16 @@ def forward_from(
     hidden_states: bool = False,
     one_query_per_call: bool = False,
     lora: LoraRows | None = None,
+    ahead: list[bool] | None = None,
+    last_tokens: torch.Tensor | None = None,
 ) -> OffsetForward:
     """Row b feeds pieces[b] at positions starts[b]... into slot slots[b].
 
     one_query_per_call: each token's attention as a decode step computes it (model.gpt2's
     `attend_by_row`), for speculative verification to give plain decoding's bits.
     lora: row b's LoRA adapter (model/lora.py); None: the base model for every row.
+    ahead: rows whose first token the host has not read yet (the core's overlap): it is taken
+    from `last_tokens` [slots] on the device, where the sampler left it.
 
     The rows are packed (model.gpt2.Packing): projections and MLPs run over the real tokens only,
     so rows of different lengths cost what their tokens cost, not rows × the longest.
@@ -50,7 +54,11 @@ def forward_from(
     flat = [(b * width + j, slots[b], starts[b] + j) for b, n in enumerate(lengths) for j in range(n)]
     # One copy for every index vector: [4, N] (input ids in the last row).
     tokens = [token for piece in pieces for token in piece]
-    index, token_slots, positions, input_ids = to_device([*zip(*flat), tokens], device)
+    from_device = [int(ahead[b] and j == 0) for b, n in enumerate(lengths) for j in range(n)] if ahead and any(ahead) else None
+    index, token_slots, positions, input_ids, *rest = to_device([*zip(*flat), tokens] + ([from_device] if from_device else []),
+                                                                 device)
+    if rest:
+        input_ids = torch.where(rest[0].bool(), last_tokens[token_slots], input_ids)
     packing = Packing(index, len(pieces), width, token_slots, positions)
     kv_length = max(start + n for start, n in zip(starts, lengths))
     out = model.forward_packed(input_ids, packing, cache, cache.batch(slots), kv_length, hidden_states, one_query_per_call, lora)

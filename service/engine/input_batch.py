@@ -114,9 +114,13 @@ class InputBatch:
         """[B] the counters of the next draws on `slots`."""
         return self.table[slots, LENGTH]
 
-    def drew(self, slots: np.ndarray, in_slot_order: bool) -> None:
-        """One token was drawn on each of `slots` (distinct; 0..B-1 when `in_slot_order`)."""
-        self.table[slice(0, len(slots)) if in_slot_order else slots, LENGTH] += 1
+    def drew(self, slots: np.ndarray, in_slot_order: bool, repeated: bool = False) -> None:
+        """One token was drawn on each of `slots` (distinct, 0..B-1 when `in_slot_order`; with
+        `repeated`, a slot once per row: a draft's 1 + k, set to what stood once they are read)."""
+        if repeated:
+            np.add.at(self.table[:, LENGTH], slots, 1)
+        else:
+            self.table[slice(0, len(slots)) if in_slot_order else slots, LENGTH] += 1
 
     def set_drafted(self, sequences: list[Sequence]) -> None:
         """What a drafted step left (its lengths are known once its tokens are read): each

@@ -68,10 +68,10 @@ class StepLayout:
         logit_rows = list(range(rows)) + [row_of[seq.slot] for _, seq in completing]
         host = np.empty((3, len(slots)), dtype=np.int64)  # one host→device copy: [3, B]
         host[0], host[1], host[2] = logit_rows, slots, batch.lengths(slots)
-        return self._rows(decoding, row_of, sampled, host, slots, logit_rows, drafted=False, from_device=True, batched=True)
+        return self._rows(decoding, row_of, sampled, host, slots, logit_rows, drafted=[], from_device=True, batched=True)
 
     def _rows(self, decoding: list[Sequence], row_of: dict[int, int], sampled: list, host: np.ndarray, slots: list[int],
-              logit_rows: list[int], drafted: bool, from_device: bool, batched: bool) -> StepRows:
+              logit_rows: list[int], drafted: list[Sequence], from_device: bool, batched: bool) -> StepRows:
         """`host`: [3, B] the sampled rows' logits rows, slots and counters; `batched`: its tokens
         may be read as a batch (the rows' table entries are gathered for it)."""
         sample_rows, sample_slots, sample_counters = to_device(torch.from_numpy(host), self.device)  # [B] each
@@ -90,7 +90,7 @@ class StepLayout:
         sampled = [(state, seq) for _, state, seq in by_slot]
         if plan.host_paced:  # beams among them, perhaps: they choose their own tokens
             sampled = [(state, seq) for state, seq in sampled if state.beam is None]
-        drafted = self.speculative and any(seq.draft for seq in decoding)
+        drafted = [seq for seq in decoding if seq.draft] if self.speculative else []
         if not drafted:
             # Comprehensions, not a loop of appends: this runs over every row of every step.
             row_of = dict(zip([seq.slot for seq in decoding], range(len(decoding))))
@@ -117,7 +117,7 @@ class StepLayout:
                 previous = seq
                 logit_rows.append(row_of[seq.slot] + j)
                 slots.append(seq.slot)
-                counters.append(len(seq.token_ids) + j)
+                counters.append(len(seq.token_ids) + seq.pending + j)
         host = np.array([logit_rows, slots, counters], dtype=np.int64).reshape(3, len(slots))
         # With no beam or draft the decode rows are the first sampled ones, each feeding the token
         # the sampler left on the device for its slot.

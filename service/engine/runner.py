@@ -7,7 +7,7 @@ decode: static shapes and CUDA graphs where asked) and the sampler.
   admitted sequences written into the input batch (on their slots after the moves);
 - `execute(plan)`: rows laid out, the forwards and the sampling queued, and the one device→host
   copy of what was drawn (read later with `read`: the core's overlap);
-- `after_read(launched)`: what only the read tokens tell the batch (a drafted step's lengths).
+- `after_read(launched)`: what only the read tokens tell the batch (drafted sequences' lengths).
 
 The runner never calls the scheduler; it writes only what its forwards computed onto the plan's
 requests (a prefill's prompt scores).
@@ -82,8 +82,8 @@ class ModelRunner:
             launched = self.sampler.launch(logits, rows, completing + plan.decode, completing, deferred)
         if plan.beams:  # they read the step's logits themselves
             launched.logits = logits
-        if not rows.drafted:  # a drafted step's lengths are known once its tokens are read
-            self.batch.drew(rows.facts.slots, rows.in_slot_order)
+        # One draw each (a drafted sequence's length is set once its tokens are read).
+        self.batch.drew(rows.facts.slots, rows.in_slot_order, repeated=bool(rows.drafted))
         return launched
 
     def read(self, launched: LaunchedStep) -> np.ndarray:
@@ -94,7 +94,7 @@ class ModelRunner:
         """What the read tokens tell the batch: after a drafted step, each sequence's length and
         last token (the drafts that stood)."""
         if launched.rows.drafted:
-            self.batch.set_drafted(list({id(seq): seq for _, seq in launched.rows.sampled}.values()))
+            self.batch.set_drafted(launched.rows.drafted)
 
     def exhausted(self) -> list[RequestState]:
         """The requests a sequence of which drew its last token in a step not read yet."""
@@ -155,12 +155,14 @@ class ModelRunner:
             return self._decode_batch(step_rows, lora)
         slots = [s.slot for s in seqs]
         if step_rows.drafted:  # verification: 1 + k positions per row, eagerly
-            starts = [len(s.token_ids) - 1 for s in seqs]
+            # A row whose last token is still in flight (overlap; never one with a draft: a
+            # drafter sits such steps out) feeds the one its slot's last sampling left.
+            starts = [len(s.token_ids) + s.pending - 1 for s in seqs]
             pieces = [[s.token_ids[-1]] + s.draft for s in seqs]
             # Each position as decoding computes it, so a draft's length (which the batch
             # prices) never changes a token's bits.
             return forward_from(self.model, self.cache, slots, starts, pieces, every_position=True, one_query_per_call=True,
-                                lora=lora).logits
+                                lora=lora, ahead=[s.pending > 0 for s in seqs], last_tokens=self.batch.last_tokens).logits
         lengths = [len(s.token_ids) + s.pending for s in seqs]
         # A sequence whose last token the host has not read yet (overlap) feeds the one its
         # slot's last sampling left on the device; the host's token_ids[-1] is then stale.

@@ -66,7 +66,9 @@ class StepRows:
     # [B, V] copy and no index kernels).
     facts: RowFacts  # the sampled rows' facts from the slot tables (service/engine/slot_rows.py)
     in_slot_order: bool = False
-    drafted: bool = False  # a decoding sequence verifies a draft this step
+    # The decoding sequences verifying a draft this step (their lengths and last tokens are set
+    # once it is read); empty: none.
+    drafted: list[Sequence] = field(default_factory=list)
     # Every decoding row feeds its slot's last sampled token from the device (`last_tokens`) at
     # the position its counter gives (no beams or drafts running).
     from_device: bool = False

@@ -59,8 +59,9 @@ class StepSampler:
         if params.any_penalty:
             slot_params.mark_seen(slots, tokens)
         slot_controls.record(params.controls, slots, rows.sample_counters, tokens)
-        if not rows.drafted:  # the next step's inputs (a drafted step's are known once it is read)
-            self.batch.last_tokens[read] = tokens
+        # The next step's inputs; a drafted sequence's (several rows, one slot) is set once its
+        # step is read (it sits out the steps before).
+        self.batch.last_tokens[read] = tokens
         columns = [tokens[:, None].double(), logprobs[:, None].double()]
         # Alternatives: as many as the most demanding row asked for; each row keeps its own count.
         n = features.top_logprobs

@@ -42,16 +42,20 @@ GRAMMAR = (4, 13, 5, dict(max_new_tokens=12, grammar=JSON_GRAMMAR, do_sample=Tru
 
 
 def run(make_engine, entries, overlap: bool, cancel: dict[str, int] | None = None, paced: list | None = None,
-        **config):
+        drafted: list | None = None, **config):
     """Every request's outcome (timings aside), and how many steps ran ahead of the host.
-    `paced`: gets, per step, whether a step was in flight while a host-paced request ran."""
+    `paced`: gets, per step, whether a step was in flight while a host-paced request ran;
+    `drafted`: per launch, (whether it verified drafts, whether its read was deferred)."""
     engine = make_engine(overlap=overlap, **config)
     real_execute = engine.core.runner.execute
 
     def execute(plan, deferred):
         # A request that needs its last token on the host never steps before that token is read.
         assert all(not seq.pending for state in plan.decode if state.host_paced for seq in state.live)
-        return real_execute(plan, deferred)
+        launched = real_execute(plan, deferred)
+        if drafted is not None:
+            drafted.append((bool(launched.rows.drafted), deferred))
+        return launched
 
     engine.core.runner.execute = execute
     requests = {f"r{i}": (arrives, make_request(random_prompt(length, seed), f"r{i}", **params))
@@ -199,3 +203,19 @@ def test_grammars_and_drafters_ride_the_batched_step(make_engine, monkeypatch):
             else:
                 assert not engine_steps
     assert outcomes[True, False] == outcomes[False, False] == outcomes[True, True] == outcomes[False, True]
+
+
+def test_drafted_steps_run_ahead_and_change_nothing(make_engine):
+    """A step verifying drafts is launched before the previous step's tokens are read and read
+    itself one step late: its drafters sit the next step out, its other rows feed their tokens
+    from the device; every output is the synchronous one's."""
+    import math
+
+    eager = NgramSettings(weight_pass_rows=math.inf)  # every draft is worth its rows: many drafted steps
+    repeating = [(0, 20 + i, 6, dict(max_new_tokens=24, speculate=True)) for i in range(3)]
+    entries = MIXED[:6] + repeating
+    synchronous, _ = run(make_engine, entries, overlap=False, max_slots=12, speculative=eager)
+    engine_runs = []
+    overlapped, _ = run(make_engine, entries, overlap=True, max_slots=12, speculative=eager, drafted=engine_runs)
+    assert overlapped == synchronous
+    assert sum(1 for drafted, deferred in engine_runs if drafted and deferred) > 5
