@@ -52,7 +52,7 @@ class SiteDelta:
 
     def add_to(self, y: torch.Tensor, x: torch.Tensor) -> None:
         """y += the delta of x's rows, in place: x [m, 1, in], y [m, 1, out], a row per batch item."""
-        m = len(x)
+        m = x.shape[0]
         low = torch.bmm(x, self._a_rows.expand(m, -1, -1))  # [m, 1, r]
         # One kernel scales each row's product and adds it to the row: no [m, out] delta is
         # written and read back.
@@ -287,7 +287,7 @@ class LoraGroups:
             delta.add_to(y_rows[start:end], x_rows[start:end])
         if gelu:
             y = F.gelu(y, approximate="tanh")
-            if adapted < len(grouped):
+            if adapted < grouped.shape[0]:
                 y = torch.cat([y, layer.base(grouped[adapted:], gelu=True)])
         return y.index_select(0, inverse).view(*x.shape[:-1], -1)
 
