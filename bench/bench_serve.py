@@ -45,7 +45,7 @@ from bench.common import ServiceProcess, describe_machine, load_both, service_fl
 from bench.llama_cpp import BUILD_ROOT, TOOLS, convert
 from model.config import DTYPES
 from model.quantized import QUANTIZE_MODES
-from service.__main__ import parse_settings
+from service.launch import parse_settings
 from service.app import core_config
 from service.engine.types import GenerationRequest, SamplingParams
 from service.inprocess import Engine, EngineConfig

@@ -6,7 +6,8 @@ of rank r, side by side in one run.
 
 - grouped, bmm of rows: per adapter, its rows gathered (index_select), each row its own
   [1, in] @ [in, r] and [1, r] @ [r, out] product in one bmm over A and B expanded (not copied),
-  added back (index_add_): model/lora.py's `SiteDelta`, what the model does.
+  the second adding into the rows' outputs (baddbmm), copied back (index_copy_): model/lora.py's
+  `SiteDelta`, what the model does.
 - grouped, packed oneDNN: the same groups, x @ A.T and @ B.T on oneDNN-packed A and B
   (model.linear, as the base products).
 - grouped, matmul: the same groups with plain matmuls (MKL).
@@ -60,7 +61,9 @@ def make_sites(config: GPT2Config, adapters: int, rank: int, generator: torch.Ge
 
 def grouped_bmm(site, x, groups, y):
     for index, rows in groups:
-        y.index_add_(0, rows, site["deltas"][index](x.index_select(0, rows)))
+        own = y.index_select(0, rows)  # [m, out]
+        site["deltas"][index].add_to(own[:, None], x.index_select(0, rows)[:, None])
+        y.index_copy_(0, rows, own)
 
 
 def grouped_packed(site, x, groups, y):

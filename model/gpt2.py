@@ -31,6 +31,12 @@ from model.quantized import (
 ATTENTION_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
+def project(layer: nn.Module, x: torch.Tensor, lora: LoraGroups | None, gelu: bool = False) -> torch.Tensor:
+    """layer(x, gelu), with the forward's adapters when it has some: in a model serving adapters a
+    LoraConv1D (model/lora.py) stands in place of each Conv1D of the blocks and takes them."""
+    return layer(x, gelu) if lora is None else layer(x, gelu, lora)
+
+
 class MLP(nn.Module):
     """activation: an `activation_function` name (model/activations.py); GPT-2's by default."""
 
@@ -44,10 +50,10 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor, lora: LoraGroups | None = None) -> torch.Tensor:
         if self.fused_gelu:
-            hidden = self.c_fc(x, gelu=True, lora=lora)
+            hidden = project(self.c_fc, x, lora, gelu=True)
         else:
-            hidden = self.activation(self.c_fc(x, lora=lora))
-        return self.c_proj(hidden, lora=lora)
+            hidden = self.activation(project(self.c_fc, x, lora))
+        return project(self.c_proj, hidden, lora)
 
 
 @dataclass
@@ -136,7 +142,7 @@ class CausalSelfAttention(nn.Module):
         if ctx.packing is not None:
             return self._forward_packed(x, ctx), None
         B, T, C = x.shape
-        qkv = self.c_attn(x, lora=ctx.lora).view(B, T, 3, self.n_head, self.head_dim)  # [B, T, 3, H, d_h]
+        qkv = project(self.c_attn, x, ctx.lora).view(B, T, 3, self.n_head, self.head_dim)  # [B, T, 3, H, d_h]
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # 3 × [B, H, T, d_h], views
         if ctx.cache is not None:
             ctx.cache.write(self.layer_index, ctx.rows, ctx.positions, qkv[:, :, 1:])
@@ -154,14 +160,14 @@ class CausalSelfAttention(nn.Module):
         else:
             y = self.attend(q, k, v, ctx.mask)  # [B, H, T, d_h]
         y = y.transpose(1, 2).reshape(B, T, C)  # [B, T, C]
-        return self.c_proj(y, lora=ctx.lora), probs
+        return project(self.c_proj, y, ctx.lora), probs
 
     def _forward_packed(self, x: torch.Tensor, ctx: AttentionInputs) -> torch.Tensor:
         """x [1, N, C] packed rows (always with a cache): projections over the N real tokens,
         attention over their [B, T] layout."""
         packing, (_, N, C) = ctx.packing, x.shape
         H, d = self.n_head, self.head_dim
-        qkv = self.c_attn(x, lora=ctx.lora)[0].view(N, 3, H, d)  # [N, 3, H, d_h]
+        qkv = project(self.c_attn, x, ctx.lora)[0].view(N, 3, H, d)  # [N, 3, H, d_h]
         ctx.cache.write_tokens(self.layer_index, packing.slots, packing.positions, qkv[:, 1:])
         q = qkv[:, 0].reshape(N, C)  # [N, C]
         keys, values = ctx.cache.read(self.layer_index, ctx.rows, ctx.kv_length)  # [B, H, L, d_h]
@@ -170,14 +176,14 @@ class CausalSelfAttention(nn.Module):
             queries = [row.view(1, len(row), H, d).transpose(1, 2) for row in rows]  # B × [1, H, n_b, d_h]
             outputs = attend_by_row(queries, keys, values, ctx, self.attend)
             y = torch.cat([out.transpose(1, 2).reshape(-1, C) for out in outputs])
-            return self.c_proj(y[None], lora=ctx.lora)  # [1, N, C]
+            return project(self.c_proj, y[None], ctx.lora)  # [1, N, C]
         B, T = packing.batch, packing.width
         laid_out = q.new_zeros(B * T, C)
         laid_out[packing.index] = q
         queries = laid_out.view(B, T, H, d).transpose(1, 2)  # [B, H, T, d_h]
         y = self.attend(queries, keys, values, ctx.mask)  # [B, H, T, d_h]
         y = y.transpose(1, 2).reshape(B * T, C)[packing.index]  # [N, C]
-        return self.c_proj(y[None], lora=ctx.lora)  # [1, N, C]
+        return project(self.c_proj, y[None], ctx.lora)  # [1, N, C]
 
 
 class Block(nn.Module):

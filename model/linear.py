@@ -23,16 +23,12 @@ and runs the product itself.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from model.quantized import QuantizedWeight
-
-if TYPE_CHECKING:
-    from model.lora import LoraGroups
 
 
 def onednn_serves(device: torch.device, dtype: torch.dtype) -> bool:
@@ -119,8 +115,5 @@ class Conv1D(nn.Module):
         self.packed = make(self.weight.t())
         self.weight = released(self.weight)
 
-    def forward(self, x: torch.Tensor, gelu: bool = False, lora: LoraGroups | None = None) -> torch.Tensor:
-        """lora: the forward's adapters (model/lora.py), which add their deltas to their own rows."""
-        if lora is not None:
-            return lora.project(self, x, gelu)
+    def forward(self, x: torch.Tensor, gelu: bool = False) -> torch.Tensor:
         return linear(x, self.weight.t(), self.bias, self.packed, gelu)

@@ -1,12 +1,15 @@
 """Resident LoRA adapters and their application inside the forward, rows of many adapters at once.
 
 `LoraSet` holds the adapters a model serves (each its own A and B only, on the model's device and
-dtype; never a copy of the base weights), each under a name and a small integer index. A forward
-takes `LoraRows` (which adapter each batch row uses, -1 for the base): every adapted Conv1D then
-computes the base product once for the whole batch, as without adapters, and adds each
-adapter's low-rank delta `scaling * (x @ A.T) @ B.T` to its own rows only, gathered per adapter
-(as Punica and S-LoRA do). Base rows never touch new arithmetic, so their output is bit-for-bit
-that of a forward without adapters.
+dtype; never a copy of the base weights), each under a name and a small integer index. Building
+one puts a `LoraConv1D` in place of each Conv1D of the blocks (once per model): the layer that
+takes a forward's adapters, so model/linear.py knows nothing of them. A forward takes `LoraRows`
+(which adapter each batch row uses, -1 for the base), turned once per forward into `LoraGroups`
+(the adapted tokens grouped by adapter); every adapted layer then computes the base product for
+the whole batch, as without adapters, and adds each adapter's low-rank delta
+`scaling * (x @ A.T) @ B.T` to its own rows only, gathered per adapter (as Punica and S-LoRA do).
+Base rows never touch new arithmetic, so their output is bit-for-bit that of a forward without
+adapters.
 
 A row's delta is computed as a product of that row alone (`SiteDelta`), so it has the same bits
 however many rows share its adapter; bench/lora_kernels.py measures the options (docs/lora.md).
@@ -23,15 +26,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from model.linear import Conv1D
+from model.lora_format import SITE_MODULES, AdapterError, LoraAdapter, read_adapter
 from model.transfer import to_device
-from model.lora_format import AdapterError, LoraAdapter, read_adapter
 
 BASE = -1  # a row's adapter index when it uses the base model alone
 
 
 @dataclass
 class SiteDelta:
-    """One adapter at one Conv1D, resident: rows x [m, in] -> their delta [m, out].
+    """One adapter at one Conv1D, resident: adds rows x [m, in]'s delta to their outputs [m, out].
 
     Each row is its own [1, in] @ [in, r] and [1, r] @ [r, out] product inside one bmm, over A and
     B expanded (not copied) to the rows: a product of one row has one shape whatever the group's
@@ -44,27 +47,74 @@ class SiteDelta:
     b_t: torch.Tensor  # [r, out]: lora_B transposed
     scaling: float
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        m = len(x)
-        low = torch.bmm(x[:, None], self.a_t[None].expand(m, -1, -1))  # [m, 1, r]
-        # Scaling the [m, r] intermediate costs r multiplies per row, not out.
-        return torch.bmm(low * self.scaling, self.b_t[None].expand(m, -1, -1))[:, 0]  # [m, out]
+    def __post_init__(self) -> None:
+        self._a_rows, self._b_rows = self.a_t[None], self.b_t[None]  # [1, in, r], [1, r, out]: views
+
+    def add_to(self, y: torch.Tensor, x: torch.Tensor) -> None:
+        """y += the delta of x's rows, in place: x [m, 1, in], y [m, 1, out], a row per batch item."""
+        m = x.shape[0]
+        low = torch.bmm(x, self._a_rows.expand(m, -1, -1))  # [m, 1, r]
+        # One kernel scales each row's product and adds it to the row: no [m, out] delta is
+        # written and read back.
+        y.baddbmm_(low, self._b_rows.expand(m, -1, -1), alpha=self.scaling)
 
     @property
     def nbytes(self) -> int:
         return self.a_t.nbytes + self.b_t.nbytes
 
 
+class LoraConv1D(nn.Module):
+    """A Conv1D of a model serving adapters, in its place (`wrap_layers`): with a forward's
+    `LoraGroups` it adds each adapted row's delta to the base product; without, it is the Conv1D."""
+
+    def __init__(self, base: Conv1D, site: str) -> None:
+        super().__init__()
+        self.base = base
+        self.site = site  # the name adapter files use for it, "h.0.attn.c_attn"
+
+    # What the analysis reads of a block's layers (model/attention_bounds.py): the base's.
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.base.weight
+
+    @property
+    def bias(self) -> torch.Tensor:
+        return self.base.bias
+
+    def forward(self, x: torch.Tensor, gelu: bool = False, lora: LoraGroups | None = None) -> torch.Tensor:
+        if lora is None:
+            return self.base(x, gelu)
+        return lora.project(self, x, gelu)
+
+
+def adapter_layers(model: nn.Module) -> dict[str, nn.Module]:
+    """Each adaptable layer of the model's blocks by the name adapter files use for it: a Conv1D,
+    or the LoraConv1D standing in its place once `wrap_layers` has run."""
+    return {f"h.{index}.{name}": block.get_submodule(name) for index, block in enumerate(model.h) for name in SITE_MODULES}
+
+
+def wrap_layers(model: nn.Module) -> None:
+    """Put a LoraConv1D in place of each Conv1D of the model's blocks; those already wrapped (by
+    another LoraSet over the model) stay as they are."""
+    for site, layer in adapter_layers(model).items():
+        if not isinstance(layer, LoraConv1D):
+            owner, _, attribute = site.rpartition(".")
+            setattr(model.get_submodule(owner), attribute, LoraConv1D(layer, site))
+
+
 class LoraSet:
     """The adapters resident for one model, by name and by index (indices of removed adapters are
-    reused by later ones). Build it after the model is prepared, moved and quantized."""
+    reused by later ones). Build it after the model is prepared, moved and quantized. The first
+    adapter added puts a LoraConv1D in place of each Conv1D of the blocks: a model that never
+    serves one keeps its plain layers."""
 
     def __init__(self, model: nn.Module) -> None:
         self.config = model.config
         self.device, self.dtype = model.device, model.dtype
+        self._model = model
         # Each adaptable Conv1D by the name an adapter file uses for it, "h.0.attn.c_attn".
         self._site_of: dict[nn.Module, str] = {
-            module: f"h.{name}" for name, module in model.h.named_modules() if isinstance(module, Conv1D)
+            layer.base if isinstance(layer, LoraConv1D) else layer: site for site, layer in adapter_layers(model).items()
         }
         self._adapters: list[dict[str, SiteDelta] | None] = []
         self._index_of: dict[str, int] = {}
@@ -83,6 +133,7 @@ class LoraSet:
             raise AdapterError(f"adapter {name!r} adapts {unknown[0]}, which this model does not have")
         # Every tensor is made resident and checked before the name is taken: a refusal changes nothing.
         deltas = {site: self._resident(name, site, w.a, w.b, w.scaling) for site, w in adapter.sites.items()}
+        wrap_layers(self._model)
         index = self._adapters.index(None) if None in self._adapters else len(self._adapters)
         if index == len(self._adapters):
             self._adapters.append(None)
@@ -137,7 +188,15 @@ class LoraSet:
         return LoraRows(self, adapter_of_row)
 
     def delta(self, index: int, module: nn.Module) -> SiteDelta | None:
+        """Adapter `index`'s delta at a layer (a LoraConv1D or its Conv1D); None where it adapts none."""
+        if isinstance(module, LoraConv1D):
+            module = module.base
         return self._adapters[index].get(self._site_of.get(module))
+
+    def site_deltas(self, site: str, spans: list[tuple[int, int, int]]) -> list[tuple[int, int, SiteDelta]]:
+        """(start, end, delta) of each span (adapter index, start, end) whose adapter adapts `site`."""
+        adapters = self._adapters
+        return [(start, end, delta) for index, start, end in spans if (delta := adapters[index].get(site)) is not None]
 
     def applied(self, name: str) -> AppliedAdapter:
         """The adapter as one model to analyse: every row of a forward uses it."""
@@ -155,7 +214,7 @@ class AppliedAdapter:
     def rows(self, batch_size: int) -> LoraRows:
         return self.adapters.rows([self.index] * batch_size)
 
-    def merged_weight(self, module: Conv1D) -> torch.Tensor:
+    def merged_weight(self, module: nn.Module) -> torch.Tensor:
         """The Conv1D's weight [in, out] with the delta merged, W + scaling·(B A)ᵀ: what peft's
         merge_and_unload leaves in GPT-2's Conv1D (fan_in_fan_out). The weight itself if not adapted."""
         delta = self.adapters.delta(self.index, module)
@@ -172,57 +231,76 @@ class LoraRows:
     adapter_of_row: list[int]
 
     def over_tokens(self, tokens_per_row: Sequence[int], device: torch.device) -> LoraGroups:
-        """The flattened tokens of each adapter, row b owning the next tokens_per_row[b] of them."""
+        """The flattened tokens of each adapter, row b owning the next tokens_per_row[b] of them.
+        Built once per forward: every adapted layer of it reads the same groups."""
         if len(tokens_per_row) != len(self.adapter_of_row):
             raise ValueError(f"adapters for {len(self.adapter_of_row)} rows, but the batch has {len(tokens_per_row)}")
         positions: dict[int, list[int]] = {}
         start = 0
         for index, count in zip(self.adapter_of_row, tokens_per_row):
-            if index != BASE:
-                positions.setdefault(index, []).extend(range(start, start + count))
+            positions.setdefault(index, []).extend(range(start, start + count))
             start += count
-        groups = [(index, to_device(rows, device)) for index, rows in sorted(positions.items())]
-        return LoraGroups(self.adapters, groups)
+        order, spans = [], []
+        for index, rows in sorted(positions.items(), key=lambda item: item[0] == BASE):  # the base's rows last
+            if index != BASE:
+                spans.append((index, len(order), len(order) + len(rows)))
+            order.extend(rows)
+        inverse = [0] * len(order)
+        for place, token in enumerate(order):
+            inverse[token] = place
+        return LoraGroups(self.adapters, *to_device([order, inverse], device), spans)
 
 
 @dataclass
 class LoraGroups:
-    """One forward's tokens grouped by adapter: what each adapted Conv1D reads."""
+    """One forward's tokens grouped by adapter: what each adapted layer reads.
+
+    A layer gathers its input's tokens into `order` once, adds every adapter's deltas to the
+    contiguous slices `spans` of its output, and puts the output back in place with `inverse`:
+    two gathers per layer, whatever the number of adapters."""
 
     adapters: LoraSet
-    groups: list[tuple[int, torch.Tensor]]  # (adapter index, [m] positions in the flattened tokens)
+    order: torch.Tensor  # [M] the flattened tokens, adapter by adapter, the base's last
+    inverse: torch.Tensor  # [M] where each token sits in `order`
+    spans: list[tuple[int, int, int]]  # (adapter index, start, end): each adapter's slice of `order`
 
-    def project(self, module: Conv1D, x: torch.Tensor, gelu: bool) -> torch.Tensor:
-        """module(x, gelu) with each adapter's delta added to its own tokens (before the GELU)."""
-        deltas = [(rows, d) for index, rows in self.groups if (d := self.adapters.delta(index, module)) is not None]
-        if not deltas:
-            return module(x, gelu)
-        flat = x.reshape(-1, x.shape[-1])  # [M, in]
-        if not gelu:
-            y = module(flat)  # [M, out], every row as without adapters
-            for rows, delta in deltas:
-                y.index_add_(0, rows, delta(flat.index_select(0, rows)))
-            return y.view(*x.shape[:-1], -1)
-        return self._project_gelu(module, flat, deltas).view(*x.shape[:-1], -1)
+    def project(self, layer: LoraConv1D, x: torch.Tensor, gelu: bool) -> torch.Tensor:
+        """layer.base(x, gelu) with each adapter's delta added to its own tokens (before the GELU)."""
+        present = self.adapters.site_deltas(layer.site, self.spans)
+        if not present:
+            return layer.base(x, gelu)
+        order, inverse = self.order, self.inverse
+        if len(present) < len(self.spans):  # some adapters of the batch leave this layer alone
+            order, inverse, present = self._regroup(present)
+        grouped = x.reshape(-1, x.shape[-1]).index_select(0, order)  # [M, in]
+        adapted = present[-1][1]  # the tokens this layer adapts: grouped[:adapted]
+        # Every product is row by row invariant (model/linear.py), so a row's bits are the same
+        # in this order as in the batch's.
+        if gelu:
+            # The delta goes in before the GELU, which the base product fuses: adapted rows take
+            # the product unfused, the others keep the fused one (its bits differ from a separate GELU).
+            y = layer.base(grouped[:adapted])  # [m, out]
+        else:
+            y = layer.base(grouped)  # [M, out], every row as without adapters
+        x_rows, y_rows = grouped[:, None], y[:, None]  # [M, 1, in], [m or M, 1, out]: a row per product
+        for start, end, delta in present:
+            delta.add_to(y_rows[start:end], x_rows[start:end])
+        if gelu:
+            y = F.gelu(y, approximate="tanh")
+            if adapted < grouped.shape[0]:
+                y = torch.cat([y, layer.base(grouped[adapted:], gelu=True)])
+        return y.index_select(0, inverse).view(*x.shape[:-1], -1)
 
-    @staticmethod
-    def _project_gelu(module: Conv1D, flat: torch.Tensor, deltas: list) -> torch.Tensor:
-        # The delta goes in before the GELU, which the base product fuses: adapted rows take the
-        # product unfused, the others keep the fused one (its bits differ from a separate GELU).
-        adapted = torch.cat([rows for rows, _ in deltas])  # [m]
-        pre = module(flat.index_select(0, adapted))  # [m, out]
-        parts, start = [], 0
-        for rows, delta in deltas:
-            parts.append(pre[start : start + len(rows)] + delta(flat.index_select(0, rows)))
-            start += len(rows)
-        activated = F.gelu(torch.cat(parts), approximate="tanh")  # [m, out]
-        others = torch.ones(len(flat), dtype=torch.bool, device=flat.device)
-        others[adapted] = False
-        base_rows = others.nonzero()[:, 0]
-        y = flat.new_empty(len(flat), activated.shape[-1])
-        if len(base_rows):
-            y[base_rows] = module(flat.index_select(0, base_rows), gelu=True)
-        return y.index_copy(0, adapted, activated)
+    def _regroup(self, present: list[tuple[int, int, SiteDelta]]) -> tuple[torch.Tensor, torch.Tensor, list]:
+        """(order, inverse, spans) with the tokens of the adapters in `present` first, the others after."""
+        kept = torch.zeros(len(self.order), dtype=torch.bool, device=self.order.device)
+        spans, offset = [], 0
+        for start, end, delta in present:
+            kept[start:end] = True
+            spans.append((offset, offset + end - start, delta))
+            offset += end - start
+        order = torch.cat([self.order[kept], self.order[~kept]])
+        return order, order.argsort(), spans
 
 
-__all__ = ["AdapterError", "AppliedAdapter", "BASE", "LoraGroups", "LoraRows", "LoraSet", "SiteDelta"]
+__all__ = ["AdapterError", "AppliedAdapter", "BASE", "LoraConv1D", "LoraGroups", "LoraRows", "LoraSet", "SiteDelta"]

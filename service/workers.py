@@ -37,7 +37,6 @@ import multiprocessing.connection
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -50,6 +49,7 @@ from service.analysis.protocol import analysis_address
 from service.analysis.startup import process_config
 from service.engine.process import run_core
 from service.http.core_link import CoreLink, RunDir
+from service.launch import run, serving_settings
 from service.common.metrics import MULTIPROC_ENV
 from service.settings import Settings
 from weights.checkpoint import CheckpointError
@@ -59,16 +59,6 @@ POLL_S = 0.2
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 CORE_EXIT_GRACE_S = 15.0  # after the last HTTP process: the core's last messages and exit
 ANALYSIS_VERDICT_S = 120.0  # an HTTP process failed at start-up: wait this long for the analysis process's word
-
-
-def listening_socket(host: str, port: int) -> socket.socket:
-    """Bound, not yet listening (uvicorn listens): one of several on this port."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    sock.bind((host, port))
-    return sock
 
 
 class Supervisor:
@@ -224,8 +214,6 @@ def supervise(settings: Settings, argv: list[str]) -> int:
 
 
 def worker_main(args: list[str]) -> None:
-    from service.__main__ import serving_settings, run
-
     run_path, index, *argv = args
     settings = serving_settings(argv)
     # The parent is still the supervisor here: had it died since this process was forked, its

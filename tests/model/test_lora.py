@@ -14,7 +14,8 @@ from safetensors.torch import load_file, save_file
 from model.config import GPT2Config
 from model.kv_cache import KVCache
 from model.gpt2 import Packing
-from model.lora import BASE, LoraSet
+from model.linear import Conv1D
+from model.lora import BASE, LoraConv1D, LoraSet
 from model.lora_format import CONFIG_FILE, WEIGHTS_FILE, AdapterError
 from model.quantized import quantize_problem
 from tests.conftest import write_tiny_model
@@ -103,6 +104,28 @@ def test_a_set_holds_each_adapters_own_tensors_by_name_and_index(small_dir, smal
     assert adapters.rows([BASE, BASE]) is None  # all base: the forward takes no adapters
 
 
+@torch.inference_mode()
+def test_loading_an_adapter_wraps_the_layers_once_for_every_set_over_the_model(small_dir, small_adapter, tmp_path):
+    model = load_model(small_dir)
+    ids = random_ids(SMALL, batch=2, length=6)
+    plain = model(ids).logits
+    first, second = LoraSet(model), LoraSet(model)  # as engines sharing one model build theirs
+    assert not any(isinstance(m, LoraConv1D) for m in model.modules())  # nothing served yet: plain layers
+    one = first.load("one", small_adapter)
+    layers = [m for m in model.modules() if isinstance(m, LoraConv1D)]
+    assert len(layers) == 4 * SMALL.n_layer and all(type(layer.base) is Conv1D for layer in layers)
+    other = peft_adapter(tmp_path / "other", small_dir, seed=1, **PEFT_CONFIGS["attention-only"])
+    two = second.load("two", other)
+    assert [m for m in model.modules() if isinstance(m, LoraConv1D)] == layers  # not wrapped twice
+    assert torch.equal(model(ids).logits, plain)  # without rows of adapters, the base forward
+    # Each set's rows get that set's adapter, exactly as a model serving that adapter alone.
+    for adapters, index, folder in ((first, one, small_adapter), (second, two, other)):
+        fresh = load_model(small_dir)
+        alone = LoraSet(fresh)
+        expected = fresh(ids, lora=alone.rows([alone.load("alone", folder)] * 2)).logits
+        assert torch.equal(model(ids, lora=adapters.rows([index, index])).logits, expected)
+
+
 # --- bad folders ------------------------------------------------------------------------------
 def edit_config(folder: Path, **changes) -> None:
     path = folder / CONFIG_FILE
@@ -146,13 +169,14 @@ def test_bad_folders_are_refused_naming_what_is_wrong(case, small_dir, small_ada
         (folder / file.name).write_bytes(file.read_bytes())
     spoil, words = BAD_FOLDERS[case]
     spoil(folder)
-    adapters = LoraSet(load_model(small_dir))
+    model = load_model(small_dir)
+    adapters = LoraSet(model)
     with pytest.raises(AdapterError) as refused:
         adapters.load("bad", folder)
     message = str(refused.value)
     assert "\n" not in message
     assert all(word in message for word in words), message
-    assert adapters.names == []
+    assert adapters.names == [] and not any(isinstance(m, LoraConv1D) for m in model.modules())  # nothing changed
 
 
 def test_an_adapter_for_a_wider_base_is_refused(small_dir, tmp_path):

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from service.__main__ import parse_settings
+from service.launch import parse_settings
 from service.app import create_app
 from service.http.routes_playground import ASSETS
 from tests.service.conftest import settings_for

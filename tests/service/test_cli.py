@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from service.__main__ import parse_settings
+from service.launch import parse_settings
 from service.settings import Settings
 
 

@@ -200,7 +200,7 @@ def test_generation_without_a_running_engine_is_503_not_a_hang(tiny_model_dir):
 
 
 def test_prefix_caching_and_the_prefill_budget_are_flags():
-    from service.__main__ import parse_settings
+    from service.launch import parse_settings
 
     settings = parse_settings(["--no-prefix-caching", "--max-prefill-tokens", "64"])
     assert settings.prefix_caching is False and settings.max_prefill_tokens == 64
@@ -208,7 +208,7 @@ def test_prefix_caching_and_the_prefill_budget_are_flags():
 
 
 def test_speculation_settings_are_flags_and_checked():
-    from service.__main__ import parse_settings
+    from service.launch import parse_settings
 
     settings = parse_settings(
         ["--speculative-ngram", "--speculative-ngram-min", "2", "--speculative-ngram-max", "4", "--speculative-tokens", "6"]
