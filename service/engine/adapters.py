@@ -25,6 +25,7 @@ class ServedAdapters:
         self.unloading: set[str] = set()
         for name, folder in adapters:
             self.set.load(name, folder)
+        self.loaded = bool(self.set.names)  # read by every step: a flag, not a question
 
     @property
     def names(self) -> list[str]:
@@ -37,6 +38,7 @@ class ServedAdapters:
         if name in self.unloading:
             raise ValueError(f"adapter {name!r} is being unloaded (requests still use it)")
         self.set.load(name, folder)
+        self.loaded = True
 
     def unload(self, name: str) -> None:
         """Refuse new requests for it from now on; `free_unused` frees it once none uses it."""
@@ -55,7 +57,7 @@ class ServedAdapters:
         """A forward's per-row adapters; None (the base forward, exactly as without adapters)
         when none is loaded (then `adapters`, a generator on the step's path, is never walked)
         or no row uses one."""
-        return self.set.rows(list(adapters)) if self.set.names else None
+        return self.set.rows(list(adapters)) if self.loaded else None
 
     def free_unused(self, in_use: Callable[[int], bool]) -> list[int]:
         """Free the unloading adapters no request uses any more; their indices."""
@@ -63,4 +65,5 @@ class ServedAdapters:
         for name in freed:
             self.set.remove(name)
             self.unloading.discard(name)
+        self.loaded = bool(self.set.names)
         return list(freed.values())

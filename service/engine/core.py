@@ -135,7 +135,8 @@ class EngineCore:
             # that needs its last token on the host to build its next step (a grammar, a draft)
             # sits out the steps launched before that token is read (Scheduler.schedule).
             previous, self._launched = self._launched, None
-            failed += scheduler.refuse_uncompiled()
+            if self.grammars is not None and scheduler.waiting_count:
+                failed += scheduler.refuse_uncompiled()
             # With a step in flight, some sequences may have drawn their last token already.
             plan = scheduler.schedule(started, runner.exhausted() if previous is not None else [], previous is not None)
             results.done += [scheduler.finish(state) for state in plan.cancelled]
@@ -160,7 +161,7 @@ class EngineCore:
             elif launched is not None:
                 self._update(launched, results)
             failed += results.failed
-            if self.adapters.unloading:
+            if self.runner.adapters.unloading:
                 self.free_unloaded_adapters()
         except Exception as exc:  # e.g. out of device memory: fail these requests, keep serving
             log.exception("engine step failed")
@@ -189,7 +190,8 @@ class EngineCore:
     def _update(self, launched: LaunchedStep, results: StepResults) -> None:
         """Read a launched step's tokens into the scheduler, then tell the runner what they said."""
         self.scheduler.update_from_output(launched, self.runner.read(launched), results)
-        self.runner.after_read(launched)
+        if launched.rows.drafted:
+            self.runner.after_read(launched)
 
     def _advance_beams(self, launched: LaunchedStep) -> None:
         """One beam-search step for each beam request of the step; a search that fails (its logits

@@ -80,8 +80,9 @@ class StepLayout:
             facts = self.batch.gather(slots, host[1], host[2], in_order)
         else:
             facts = self.batch.gather_features(slots, host[1], host[2])
+        read = slice(0, len(slots)) if in_order else sample_slots
         return StepRows(decoding, row_of, sampled, sample_rows, sample_slots, sample_counters, facts, in_order, drafted,
-                        from_device)
+                        from_device, read)
 
     def _each(self, plan: StepPlan) -> StepRows:
         """The layout row by row, from the sequences themselves."""

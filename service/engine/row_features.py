@@ -4,7 +4,7 @@ the decoding controls skip what no row of a step needs."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from service.engine.types import SamplingParams
 
@@ -68,13 +68,14 @@ class RowFeatures:
     grammar: bool
     max_ngram: int = 0  # the longest no_repeat_ngram_size among them
     top_logprobs: int = 0  # the most alternatives any of them asked for
+    # Any decoding control (bias, counts, history, min_new, warpers): set once, read every step.
+    controls: bool = field(init=False)
 
-    @property
-    def controls(self) -> bool:
-        return self.bias or self.counts or self.history or self.min_new or self.warpers
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "controls", self.bias or self.counts or self.history or self.min_new or self.warpers)
 
 
-FEATURES = len(RowFeatures.__dataclass_fields__) - 2  # the flags, before max_ngram and top_logprobs
+FEATURES = len(RowFeatures.__dataclass_fields__) - 3  # the flags, before max_ngram, top_logprobs, controls
 HISTORY_BIT = 1 << list(RowFeatures.__dataclass_fields__).index("history")
 PER_ROW_BIT = 1 << FEATURES  # the row needs Python of its own when its token is read (a draft, a grammar)
 STOP_IDS_BIT = 1 << (FEATURES + 1)  # the row ends at stop token ids (read as an array operation)

@@ -150,7 +150,7 @@ class ModelRunner:
         """Logits [B + drafted tokens, V]: one row per sequence (in slot order), 1 + k for one with
         a draft."""
         seqs = step_rows.decoding
-        lora = self.adapters.rows(s.adapter for s in seqs)
+        lora = self.adapters.rows(s.adapter for s in seqs) if self.adapters.loaded else None
         if step_rows.from_device:
             return self._decode_batch(step_rows, lora)
         slots = [s.slot for s in seqs]

@@ -107,7 +107,7 @@ class Scheduler:
         self._by_first_token: dict[int, list[RequestState]] = {}
         self._lock = threading.Lock()
         self._waiting: deque[list[RequestState]] = deque()  # submissions, in arrival order
-        self._waiting_count = 0
+        self.waiting_count = 0  # written under the lock; read by the stepping thread as it is
         self._cancel: set[str] = set()
         self._active_ids: set[str] = set()  # submitted and not yet finished
         self._closed = False
@@ -126,10 +126,10 @@ class Scheduler:
                 raise EngineStopped("the engine is shutting down")
             if len(set(ids)) < len(ids) or self._active_ids.intersection(ids):
                 raise ValueError(f"request ids must be unique among active requests: {ids}")
-            if self._waiting_count + len(states) > self.max_waiting:
-                raise QueueFull(f"{self._waiting_count} requests are already waiting")
+            if self.waiting_count + len(states) > self.max_waiting:
+                raise QueueFull(f"{self.waiting_count} requests are already waiting")
             self._waiting.append(states)
-            self._waiting_count += len(states)
+            self.waiting_count += len(states)
             self._active_ids.update(ids)
         return states
 
@@ -154,12 +154,8 @@ class Scheduler:
         with self._lock:
             self._closed = True
 
-    @property
-    def waiting_count(self) -> int:
-        return self._waiting_count
-
     def has_work(self) -> bool:
-        return bool(self.running) or self._waiting_count > 0 or bool(self._cancel)
+        return bool(self.running) or self.waiting_count > 0 or bool(self._cancel)
 
     # --- stepping side --------------------------------------------------------------------------
     def schedule(self, now: float, exhausted: list[RequestState] | None = None, in_flight: bool = False) -> StepPlan:
@@ -182,7 +178,7 @@ class Scheduler:
         chunks = []
         # A comprehension over every running request, the rest over the few prefilling or exhausted.
         decode = [state for state in kept if state.prefilled >= state.prompt_length]
-        prefilling, waiting = len(decode) < len(kept), self._waiting_count > 0
+        prefilling, waiting = len(decode) < len(kept), self.waiting_count > 0
         budget = PrefillBudget(self.max_prefill_tokens) if prefilling or waiting else None
         if prefilling:
             for state in [state for state in kept if state.prefilled < state.prompt_length]:
@@ -253,7 +249,7 @@ class Scheduler:
             finally:  # also when starting one failed: those admitted before it are running
                 taken = {id(state) for state in admitted}
                 self._waiting = deque(k for s in self._waiting if (k := [x for x in s if id(x) not in taken]))
-                self._waiting_count -= len(admitted)
+                self.waiting_count -= len(admitted)
         return admitted
 
     def _running_prefixes(self, first_token: int, adapter: int) -> list[tuple[Sequence, list[int], int, ScoredPrefix | None]]:
@@ -336,7 +332,7 @@ class Scheduler:
     def refuse_uncompiled(self) -> list[RequestFailed]:
         """Take the grammars compiled since the last step. Waiting requests whose grammar failed to
         compile (the HTTP side checked it, so this is rare) each fail alone, before holding a slot."""
-        if self.grammars is None or not self._waiting_count:  # only a waiting request awaits one
+        if self.grammars is None or not self.waiting_count:  # only a waiting request awaits one
             return []
         self.grammars.collect()
         errors = self.grammars.errors
@@ -472,7 +468,7 @@ class Scheduler:
                 submission.remove(state)
                 dropped.append(state)
         self._waiting = deque(s for s in self._waiting if s)
-        self._waiting_count -= len(dropped)
+        self.waiting_count -= len(dropped)
         return dropped
 
     def _pack(self) -> list[tuple[int, int, int, bool]]:

@@ -72,12 +72,10 @@ class StepRows:
     # Every decoding row feeds its slot's last sampled token from the device (`last_tokens`) at
     # the position its counter gives (no beams or drafts running).
     from_device: bool = False
+    # What selects the sampled rows of a per-slot table: a slice of the first B when in slot order,
+    # else sample_slots.
+    read: torch.Tensor | slice | None = None
 
-
-    @property
-    def read(self) -> torch.Tensor | slice:
-        """What selects the sampled rows of a per-slot table: a slice when in slot order."""
-        return slice(0, len(self.sampled)) if self.in_slot_order else self.sample_slots
 
 
 @dataclass
