@@ -203,25 +203,24 @@ class Grammars:
 
     def banned(
         self, matchers: list[llguidance.LLMatcher | None], device: torch.device, ahead: list[list[int]] | None = None
-    ) -> tuple[torch.Tensor, dict[int, str]]:
-        """[B, V] bool on `device`: True where row b's grammar forbids the token (no row of a
-        None matcher forbids anything), and the rows whose matcher failed (llguidance's error, by
-        row): those forbid nothing, so the step samples them safely, and their requests fail.
-        `ahead[b]`: tokens row b's matcher takes before its mask (a draft's row j, verified in the
-        same step, sees the draft's first j tokens), rolled back after it."""
-        rows = len(matchers)
-        bitmask = torch.full((rows, bitmask_words(self.vocab_size)), -1, dtype=torch.int32)
+    ) -> tuple[list[int], torch.Tensor, dict[int, str]]:
+        """The rows with a matcher (the others forbid nothing), [k, V] bool on `device` for them:
+        True where its grammar forbids the token, and the rows whose matcher failed (llguidance's
+        error, by row): those forbid nothing, so the step samples them safely, and their requests
+        fail. `ahead[b]`: tokens row b's matcher takes before its mask (a draft's row j, verified
+        in the same step, sees the draft's first j tokens), rolled back after it."""
+        constrained = [row for row, matcher in enumerate(matchers) if matcher is not None]
+        bitmask = torch.full((len(constrained), bitmask_words(self.vocab_size)), -1, dtype=torch.int32)
         row_bytes = bitmask.stride(0) * bitmask.element_size()
         errors: dict[int, str] = {}
-        for row, matcher in enumerate(matchers):
-            if matcher is None:
-                continue
+        for at, row in enumerate(constrained):
+            matcher = matchers[row]
             tokens = ahead[row] if ahead is not None else []
             try:
                 if tokens:
                     matcher.consume_tokens(tokens)
                 # llguidance writes the row's words in place (the bitmask is ours, contiguous).
-                matcher.unsafe_compute_mask_ptr(bitmask[row].data_ptr(), row_bytes)
+                matcher.unsafe_compute_mask_ptr(bitmask[at].data_ptr(), row_bytes)
                 if tokens:
                     matcher.rollback(len(tokens))
             except Exception as exc:  # llguidance raises only on misuse; still this row's alone
@@ -229,11 +228,11 @@ class Grammars:
             if row not in errors and matcher.is_error():
                 errors[row] = first_line(matcher.get_error())
             if row in errors:
-                bitmask[row] = -1
+                bitmask[at] = -1
         bits = torch.arange(32, dtype=torch.int32, device=device)
         words = to_device(bitmask, device, torch.int32)  # pinned: queued, the host goes on
-        allowed = ((words[:, :, None] >> bits) & 1).reshape(rows, -1)[:, : self.vocab_size]  # [B, V]
-        return allowed == 0, errors
+        allowed = ((words[:, :, None] >> bits) & 1).reshape(len(constrained), -1)[:, : self.vocab_size]  # [k, V]
+        return constrained, allowed == 0, errors
 
 
 def first_line(error: str) -> str:

@@ -51,9 +51,11 @@ class StepSampler:
             # The grammar's forbidden tokens at -inf before anything reads the logits: the
             # sampler, the log-probabilities and the alternatives see the constrained
             # distribution. Unconstrained rows are untouched (their values, their bits).
-            banned, errors = self.grammars.banned([seq.matcher for _, seq in rows.sampled], step_logits.device,
-                                                  draft_prefixes(rows))
-            step_logits = step_logits.masked_fill(banned, float("-inf"))
+            # The mask is built for the constrained rows alone, not [B, V].
+            constrained, banned, errors = self.grammars.banned([seq.matcher for _, seq in rows.sampled],
+                                                               step_logits.device, draft_prefixes(rows))
+            index = to_device(constrained, step_logits.device)
+            step_logits = step_logits.index_put((index,), step_logits[index].masked_fill(banned, float("-inf")))
             faults = {row: grammar_failed(error) for row, error in errors.items()}
         tokens, logprobs = choose_tokens(step_logits, params, rows.sample_counters, seen)  # [B], [B]
         if params.any_penalty:

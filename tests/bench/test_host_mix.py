@@ -54,7 +54,8 @@ def test_small_tokenizer_encodes_any_text_below_its_eos(tokenizer):
     # llguidance builds its tokenizer from it; a grammar's mask covers the 300 ids and allows
     # exactly the tokens that start its text.
     grammars = Grammars(lambda: text, 300, 299)
-    banned, errors = grammars.banned([grammars.matcher(regex_grammar("ab", "regex"))], torch.device("cpu"))
+    rows, banned, errors = grammars.banned([grammars.matcher(regex_grammar("ab", "regex"))], torch.device("cpu"))
+    assert rows == [0]
     allowed = (~banned[0]).nonzero()[:, 0].tolist()
     assert banned.shape == (1, 300) and not errors
     assert allowed and all(small.decode([token]) in ("a", "ab") for token in allowed), [small.decode([t]) for t in allowed]

@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from model.linear import Conv1D
-from model.lora_format import read_adapter
 from service.engine import faults
 from service.engine.faults import NonfiniteInjection
 from tests.engine.conftest import make_request, random_prompt
@@ -85,11 +84,12 @@ def test_nonfinite_logits_fail_their_request_alone(make_engine, monkeypatch, alo
 
 
 def test_an_adapter_that_turns_non_finite_at_run_time_fails_only_its_requests(make_engine, tiny_model_dir, tmp_path,
-                                                                          alone, tiny_model):
+                                                                          alone):
     folder = peft_adapter(tmp_path / "poisoned", tiny_model_dir, seed=0, **PEFT_CONFIGS["all-modules"])
     engine = make_engine()
+    engine.core.adapters.load("poisoned", str(folder))
     lora = engine.core.adapters.set
-    index = lora.add("poisoned", read_adapter(folder, tiny_model.config))
+    index = lora.index("poisoned")
     for module in engine.core.model.modules():  # loaded as valid, its resident weights broken afterwards
         delta = lora.delta(index, module) if isinstance(module, Conv1D) else None
         if delta is not None:
