@@ -6,6 +6,8 @@ transformers' generate(), on the same weights in the same run.
     .venv/bin/python -m bench.bench_serve --quantize none int8 int4 --clients 1 16 --no-reference   # side by side
     .venv/bin/python -m bench.bench_serve --quantize none int8 --llama-cpp build/llama.cpp/bin  # docs/llama-cpp.md
     .venv/bin/python -m bench.bench_serve --api-servers 1 2 --clients 32 --no-reference        # HTTP processes
+    git worktree add --detach /tmp/old <commit>
+    .venv/bin/python -m bench.bench_serve --against /tmp/old --clients 1 16 --threads 2 --rounds 4  # old vs new
 
 For each client count C it starts nothing new: one real server (`python -m service`, its engine
 core in its own process) serves every row. C concurrent clients each stream one
@@ -25,6 +27,13 @@ llama-bench and llama-batched-bench then run on GGUFs of the same folder (bench/
 says what each figure is); the last table gives ours / llama.cpp.
 Several --api-servers counts work the same way (one server
 per count and mode); the CPU split's `http` column then sums the server's HTTP processes.
+
+--against CHECKOUT: this checkout's server ("new") and one run from CHECKOUT's folder ("old", another
+git worktree), with the same flags, both up at once. For --rounds rounds each client count is served
+by one and then the other, the order swapping every round (a change in the machine's load hits both
+alike): printed per round, each one's tok/s and new/old; then each client count's median tok/s and
+the median of the rounds' new/old. Nothing runs in process then (the references would be this
+checkout's code only).
 """
 
 from __future__ import annotations
@@ -33,6 +42,7 @@ import argparse
 import asyncio
 import json
 import statistics
+import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -200,6 +210,63 @@ async def drive_clients(url: str, texts: list[str], clients: int, per_client: in
         return stats
 
 
+# --- two checkouts ----------------------------------------------------------------------------------
+def compare_checkouts(args: argparse.Namespace, texts: list[str]) -> None:
+    """--against: new/old tok/s per client count, the two servers alternating round by round."""
+    checkouts = {"old": args.against, "new": None}  # None: this one
+    servers: dict[str, Server] = {}
+    rates: dict[tuple[str, int], list[float]] = {}
+    print(describe_machine(), flush=True)
+    print(f"old: {describe_checkout(args.against)}; new: {describe_checkout(Path(__file__).resolve().parents[1])}; "
+          f"{args.model_dir}, {args.device} {args.dtype}, {args.new_tokens} new tokens per request, "
+          f"{args.requests_per_client} request(s) per client", flush=True)
+    try:
+        for name, checkout in checkouts.items():
+            # One at a time, and given minutes: on the busy 2-core machine one 124M server took 80-120 s
+            # to answer, two starting at once longer.
+            servers[name] = Server(args, max(args.clients), args.quantize[0], args.api_servers[0], checkout=checkout,
+                                   stream_interval=args.stream_interval)
+            servers[name].wait_ready(timeout=600)
+        for server in servers.values():
+            for clients in args.clients:  # first-request costs and each batch shape's first kernels
+                asyncio.run(drive_clients(server.url, texts, clients, 1, 4))
+        for round_ in range(args.rounds):
+            order = alternating(list(servers), round_)
+            for clients in args.clients:
+                for name in order:
+                    stats = serve_clients(servers[name], texts, clients, args.requests_per_client, args.new_tokens)
+                    rates.setdefault((name, clients), []).append(stats.tokens / stats.seconds)
+                old, new = rates["old", clients][-1], rates["new", clients][-1]
+                print(f"round {round_} ({order[0]} first) {clients:4d} clients: old {old:8.1f} tok/s, new {new:8.1f} tok/s,"
+                      f" new/old {new / old:.3f}x", flush=True)
+    finally:
+        for server in servers.values():
+            server.stop()
+    print(f"\nmedians over {args.rounds} rounds")
+    print(f"{'clients':>7s} {'old tok/s':>10s} {'new tok/s':>10s} {'new/old':>8s}  rounds' new/old")
+    for clients in args.clients:
+        old, new = rates["old", clients], rates["new", clients]
+        ratios = [n / o for o, n in zip(old, new)]
+        print(f"{clients:7d} {statistics.median(old):10.1f} {statistics.median(new):10.1f} {statistics.median(ratios):7.3f}x"
+              f"  {' '.join(f'{r:.3f}' for r in ratios)}")
+    print(f"\n{describe_machine()}")
+
+
+def alternating(names: list[str], round_: int) -> list[str]:
+    """Who serves first in this round: the given order in even rounds, reversed in odd ones."""
+    return names if round_ % 2 == 0 else names[::-1]
+
+
+def describe_checkout(path: Path) -> str:
+    """The folder and its commit (and whether its files differ from it), as git tells."""
+    def git(*command: str) -> str:
+        done = subprocess.run(["git", "-C", str(path), *command], capture_output=True, text=True, check=False)
+        return done.stdout.strip() if done.returncode == 0 else "?"
+
+    dirty = git("status", "--porcelain", "--untracked-files=no")
+    return f"{path} at {git('log', '-1', '--format=%h')}{' with uncommitted changes' if dirty else ''}"
+
+
 # --- the references -------------------------------------------------------------------------------
 def engine_direct(engine: Engine, prompts: list[list[int]], clients: int, per_client: int, new_tokens: int) -> tuple[float, float]:
     """tok/s of the in-process engine, C requests in flight at a time as the clients kept them,
@@ -257,7 +324,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="the servers write a stream's tokens this many at a time (its first and last at once)")
     parser.add_argument("--api-servers", nargs="+", type=int, default=[1],
                         help="the servers' --api-servers (HTTP processes); several: one server each, side by side")
+    parser.add_argument("--against", type=Path, default=None, metavar="CHECKOUT",
+                        help="another checkout (git worktree) of the code: its server beside this one's, alternating (new/old)")
+    parser.add_argument("--rounds", type=int, default=4, help="with --against: each checkout's measurements per client count")
     args = parser.parse_args(argv)
+    if args.against:
+        if not (args.against / "service" / "__main__.py").is_file():
+            parser.error(f"--against {args.against}: not a checkout of this project (no service/__main__.py there)")
+        if len(args.quantize) > 1 or len(args.api_servers) > 1 or args.llama_cpp:
+            parser.error("--against compares one server per checkout: one --quantize mode and one --api-servers count, no --llama-cpp")
+        if args.rounds < 1:
+            parser.error("--rounds must be at least 1")
+        # The old server runs in the other checkout's folder: paths must not depend on the folder.
+        args.against, args.model_dir = args.against.resolve(), args.model_dir.resolve()
     args.clients = args.clients or ([1, 32] if args.device == "cpu" else [1, 16, 64, 256])
     if args.llama_cpp:
         if args.device != "cpu":
@@ -278,6 +357,8 @@ def main() -> None:
     dtype = DTYPES[args.dtype]
     slots = max(args.clients)
     texts = prompt_texts(max(slots, 17), args.prompt_words)
+    if args.against:
+        return compare_checkouts(args, texts)
     tokenizer = GPT2Tokenizer.from_dir(args.model_dir)
     prompts = [tokenizer.encode(t) for t in texts]
     prefill_texts = long_prompts(tokenizer, llama_cpp_bench.PREFILL_TOKENS, args.llama_cpp_repetitions + 1)

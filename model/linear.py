@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from model.lone_row import lone_row_agrees
 from model.quantized import QuantizedWeight
 
 
@@ -72,11 +73,9 @@ def linear(
         return packed(x, bias, gelu)
     if packed is not None and x.device.type == "cpu" and x.dtype == packed.dtype:
         post_op, algorithm = ("gelu", "tanh") if gelu else ("none", "")
-        if x.numel() == x.shape[-1]:
-            # oneDNN gives a lone row a kernel of its own: from 1,536 inputs on (GPT-2's MLP
-            # projection, 3,072) its sums differ in the last bits from the same row among others,
-            # which flips sampled tokens (docs/batch-invariance.md). As two rows it gets the
-            # batched kernel, at the same cost (the product reads the weight once either way).
+        if x.numel() == x.shape[-1] and not lone_row_agrees(packed, bias, weight_out_in.shape, x.dtype, post_op, algorithm):
+            # Where oneDNN's kernel for a lone row sums in another order than the batched one
+            # (model/lone_row.py probes it), the row runs as two: the batched kernel's bits.
             pair = x.reshape(1, -1).expand(2, -1).contiguous()  # [2, in]
             y = torch.ops.mkldnn._linear_pointwise(pair, packed, bias, post_op, [], algorithm)
             return y[:1].view(*x.shape[:-1], y.shape[-1])

@@ -138,6 +138,26 @@ def test_bench_serve_reference_admits_more_clients_than_a_default_queue(tiny_mod
     assert [row[0] for row in rows] == ["1", "72"] and all(len(row) == 8 for row in rows), out
 
 
+def test_bench_serve_against_alternates_two_checkouts(tiny_model_dir):
+    """--against this very checkout: two servers, as for two worktrees, each client count served
+    by both in every round, the one that goes first swapping; the summary's medians are the rounds'."""
+    out = run_bench("bench_serve", "--model-dir", tiny_model_dir, "--threads", 1, "--clients", 1, 2, "--new-tokens", 4,
+                    "--against", REPO, "--rounds", 3)
+    rounds = re.findall(r"^round (\d) \((old|new) first\) +(\d+) clients: old +(\S+) tok/s, new +(\S+) tok/s, new/old (\S+)x$",
+                        out, re.MULTILINE)
+    assert [(r, first, c) for r, first, c, *_ in rounds] == [
+        ("0", "old", "1"), ("0", "old", "2"), ("1", "new", "1"), ("1", "new", "2"), ("2", "old", "1"), ("2", "old", "2")], out
+    summary = out[out.index("medians over 3 rounds"):].splitlines()
+    for clients in ("1", "2"):
+        seen = [tuple(map(float, (old, new))) for _, _, c, old, new, _ in rounds if c == clients]
+        row = next(line.split() for line in summary if line.split()[:1] == [clients])
+        ratios = sorted(new / old for old, new in seen)
+        assert float(row[1]) == pytest.approx(sorted(o for o, _ in seen)[1], abs=0.051), out
+        assert float(row[2]) == pytest.approx(sorted(n for _, n in seen)[1], abs=0.051), out
+        assert float(row[3].rstrip("x")) == pytest.approx(ratios[1], abs=0.002), out  # the median of the rounds' ratios
+    assert "served tok/s" not in out  # nothing in process: the references would be this checkout's alone
+
+
 def test_bench_http_cpu(tiny_model_dir):
     # The same checkout twice, by two names: two servers, as for two worktrees.
     out = run_bench("bench_http_cpu", REPO, ".", "--model-dir", tiny_model_dir, "--clients", 2,
