@@ -1,4 +1,4 @@
-"""With no beam, draft or grammar running, the runner lays a step out from its input batch (the
+"""With no beam search running and no draft to verify, the runner lays a step out from its input batch (the
 decode rows from one mask, their tokens fed from the device) and the scheduler reads its tokens as
 a batch: stops by EOS, stop token ids and length decided over arrays gathered at launch
 (service/engine/input_batch.py), alternatives taken for the rows that asked. It must give what
