@@ -143,7 +143,8 @@ class Workload:
     def slot_order_share(self, steps: int) -> float | None:
         """The share of launched steps whose sampled rows were read in slot order."""
         orders: list[bool | None] = []
-        sampler = self.core.sampler
+        core = self.core  # the sampler is the model runner's since the engine's split; the core's before
+        sampler = core.runner.sampler if hasattr(core, "runner") else core.sampler
         launch = sampler.launch
 
         def recording(logits, rows, *rest, **options):
@@ -159,8 +160,9 @@ class Workload:
 
 
 def overlap_on(core: EngineCore) -> bool:
-    """Whether the step just run left its tokens in flight, to be read after the next one launches."""
-    return core.running_ahead
+    """Whether the step just run left its tokens in flight, to be read after the next one launches
+    (an older checkout's core keeps it as `_launched`)."""
+    return core.running_ahead if hasattr(core, "running_ahead") else core._launched is not None
 
 
 def build_core(running: int, overlap: bool, vocabulary: int = DEFAULT_VOCABULARY, features: frozenset = frozenset(),
