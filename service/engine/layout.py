@@ -112,15 +112,20 @@ class StepLayout:
             logit_rows = [row_of[slot] for slot in slots]
             counters = [len(seq.token_ids) + seq.pending for _, seq in sampled]
         else:
-            logit_rows, slots, counters, previous, j = [], [], [], None, 0
-            for _, seq in sampled:
+            logit_rows, slots, counters, undrafted, previous, j = [], [], [], [], None, 0
+            for row, (_, seq) in enumerate(sampled):
                 j = j + 1 if seq is previous else 0
                 previous = seq
                 logit_rows.append(row_of[seq.slot] + j)
                 slots.append(seq.slot)
                 counters.append(len(seq.token_ids) + seq.pending + j)
+                if not seq.draft:
+                    undrafted.append(row)
         host = np.array([logit_rows, slots, counters], dtype=np.int64).reshape(3, len(slots))
         # With no beam or draft the decode rows are the first sampled ones, each feeding the token
         # the sampler left on the device for its slot.
         from_device = not (plan.host_paced or drafted)
-        return self._rows(decoding, row_of, sampled, host, slots, logit_rows, drafted, from_device, batched=False)
+        rows = self._rows(decoding, row_of, sampled, host, slots, logit_rows, drafted, from_device, batched=False)
+        if drafted:
+            rows.undrafted = undrafted
+        return rows

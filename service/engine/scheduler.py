@@ -193,7 +193,8 @@ class Scheduler:
             # whose token is in flight sits this step out, and overlap stays on for the others.
             sitting_out = [state for state in decode if state.host_paced and any(seq.pending for seq in state.live)]
             if sitting_out:
-                decode = [state for state in decode if not (state.host_paced and any(seq.pending for seq in state.live))]
+                out = {id(state) for state in sitting_out}
+                decode = [state for state in decode if id(state) not in out]
         pending: list[tuple[Sequence, Sequence, int]] = []  # (source, destination, length)
         admitted = self._admit(now, budget, chunks, pending) if waiting else []
         moves = self._pack()

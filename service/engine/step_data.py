@@ -75,6 +75,8 @@ class StepRows:
     # What selects the sampled rows of a per-slot table: a slice of the first B when in slot order,
     # else sample_slots.
     read: torch.Tensor | slice | None = None
+    # In a step verifying drafts: the sampled rows of the sequences without one (one row each).
+    undrafted: list[int] = field(default_factory=list)
 
 
 

@@ -61,9 +61,13 @@ class StepSampler:
         if params.any_penalty:
             slot_params.mark_seen(slots, tokens)
         slot_controls.record(params.controls, slots, rows.sample_counters, tokens)
-        # The next step's inputs; a drafted sequence's (several rows, one slot) is set once its
-        # step is read (it sits out the steps before).
-        self.batch.last_tokens[read] = tokens
+        # The next step's inputs; a drafted sequence's (several rows on one slot) is set once its
+        # step is read (it sits out the steps before), so no slot is written twice in one step.
+        if rows.drafted:
+            undrafted = to_device(rows.undrafted, tokens.device)
+            self.batch.last_tokens[slots[undrafted]] = tokens[undrafted]
+        else:
+            self.batch.last_tokens[read] = tokens
         columns = [tokens[:, None].double(), logprobs[:, None].double()]
         # Alternatives: as many as the most demanding row asked for; each row keeps its own count.
         n = features.top_logprobs

@@ -9,8 +9,11 @@ is proved.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
+import service.engine.layout as layout_module
 from service.engine.ngram_drafter import NgramSettings
 from tests.conftest import TINY
 from tests.engine.conftest import make_request, random_prompt
@@ -180,8 +183,6 @@ def test_grammars_and_drafters_ride_the_batched_step(make_engine, monkeypatch):
     """A grammar's rows and a drafter's rows without a draft this step are laid out from the input
     batch beside plain rows and read there on their own: the outputs are the row-by-row layout's,
     with overlap on and off, and the batched layout ran while they did."""
-    import service.engine.layout as layout_module
-
     entries = MIXED[:6] + [GRAMMAR, (3, 15, 6, dict(max_new_tokens=14, speculate=True))]
     outcomes = {}
     for batched in (True, False):
@@ -209,8 +210,6 @@ def test_drafted_steps_run_ahead_and_change_nothing(make_engine):
     """A step verifying drafts is launched before the previous step's tokens are read and read
     itself one step late: its drafters sit the next step out, its other rows feed their tokens
     from the device; every output is the synchronous one's."""
-    import math
-
     eager = NgramSettings(weight_pass_rows=math.inf)  # every draft is worth its rows: many drafted steps
     repeating = [(0, 20 + i, 6, dict(max_new_tokens=24, speculate=True)) for i in range(3)]
     entries = MIXED[:6] + repeating
