@@ -148,13 +148,13 @@ class InputBatch:
         # The rows read with Python of their own (a grammar, a drafter), the others as a batch.
         own = [i for i, row_bits in enumerate(map(self.bits.__getitem__, slots)) if row_bits & PER_ROW_BIT] \
             if bits & PER_ROW_BIT else None
-        return RowFacts(features, request_ids, indexes, slot_array, counters, table, False, stop_ids, wanted, own)
+        return RowFacts(features, request_ids, indexes, slot_array, counters, table, stop_ids, wanted, own)
 
     def gather_features(self, slots: list[int], slot_array: np.ndarray, counters: np.ndarray) -> RowFacts:
         """The same for a step read row by row: the rows' features alone."""
         features, bits = self._features(slots)
         wanted = list(map(self.top_logprobs.__getitem__, slots)) if bits & ALTERNATIVES_BIT else None
-        return RowFacts(features, [], [], slot_array, counters, None, bool(bits & PER_ROW_BIT), wanted=wanted)
+        return RowFacts(features, [], [], slot_array, counters, None, wanted=wanted)
 
     def _features(self, slots: list[int]) -> tuple[RowFeatures, int]:
         """Which sampling stages the rows on `slots` use, and all their bits together."""

@@ -37,9 +37,6 @@ class RowFacts:
     # [B, 4] their rows of the slot table (a copy): LAST, PROMPT_LENGTH, EOS, LENGTH; None when the
     # step is read row by row (request_ids and indexes are then empty too).
     table: np.ndarray | None
-    # Some row needs Python of its own when its token is read (a draft, a grammar) and the step
-    # was laid out row by row: its tokens take the per-row path.
-    per_row: bool
     # For a step read as a batch: [B, MAX_STOP_IDS] the rows' stop token ids (-1: none), when a
     # row has some; each row's count of alternatives asked for, when a row asks.
     stop_ids: np.ndarray | None = None

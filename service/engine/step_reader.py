@@ -55,9 +55,8 @@ class StepReader:
         report them. The requests a sequence of which ended are added to `launched.ended`."""
         if launched.faults or (len(host) and not np.isfinite(host[:, 1]).all()):  # a failing step alone
             self._fail_faulty(launched, host)
-        # Row by row where the layout was (beams, drafts, grammars, few rows) or a row needs it
-        # (a draft, a grammar).
-        if launched.rows.facts.per_row or launched.rows.facts.table is None:
+        # Row by row where the layout was (a beam search, a step verifying drafts, few rows).
+        if launched.rows.facts.table is None:
             self._each(launched, host.tolist(), results)
         else:
             self._batch(launched, host, results)
