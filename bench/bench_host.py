@@ -71,7 +71,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.bench_serve import percentile, prompt_texts
+from bench.serve_clients import percentile, prompt_texts
 from bench.common import ServiceProcess, add_smoke_argument, describe_machine, write_random_model
 from bench.host_standin import TINY, TOKEN_RANGE, TOKEN_STRIDE
 from service.engine.gc_heap import freeze_startup_heap

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.bench_serve import ClientStats, percentile, prompt_texts, stream_ids
+from bench.serve_clients import ClientStats, percentile, prompt_texts, stream_ids
 from bench.common import ServiceProcess, add_server_arguments, add_smoke_argument, describe_machine, service_flags
 
 GRAMMARS = [

@@ -19,7 +19,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from bench.bench_serve import Server, drive_clients, prompt_texts, serve_clients
+from bench.serve_clients import Server, drive_clients, prompt_texts, serve_clients
 from bench.common import write_random_model
 from model.config import GPT2Config
 

@@ -26,7 +26,7 @@ from pathlib import Path
 import httpx
 import torch
 
-from bench.bench_serve import ClientStats, percentile, prompt_texts, stream_ids
+from bench.serve_clients import ClientStats, percentile, prompt_texts, stream_ids
 from bench.common import ServiceProcess, add_server_arguments, add_smoke_argument, describe_machine, service_flags
 from model.lora import LoraSet
 from model.lora_format import adapter_config, site_shapes, write_adapter

@@ -74,7 +74,7 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.bench_serve import drive_clients
+from bench.serve_clients import drive_clients
 from bench.common import ServiceProcess, add_server_arguments, describe_machine, service_flags
 from bench.prefix_workloads import Prompts, Row, Sizes, mc_compare, rows_for, run_workload, workload_inputs
 from service.settings import CPU_PREFILL_TOKENS

@@ -27,7 +27,7 @@ from pathlib import Path
 import httpx
 import jsonschema
 
-from bench.bench_serve import ClientStats, percentile, prompt_texts, stream_ids
+from bench.serve_clients import ClientStats, percentile, prompt_texts, stream_ids
 from bench.common import ServiceProcess, add_smoke_argument, describe_machine, service_flags
 from bench.grammar_schemas import SCHEMAS
 

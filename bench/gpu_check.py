@@ -115,7 +115,7 @@ def part_anchor(cfg: Config) -> dict:
 
 
 def served_row(clients: int, stats) -> dict:
-    from bench.bench_serve import percentile
+    from bench.serve_clients import percentile
 
     return {"clients": clients, "tokens_per_s": stats.tokens / stats.seconds,
             "ttft_ms": [percentile(stats.ttft, q) * 1e3 for q in (.5, .99)],
@@ -145,7 +145,7 @@ def started_server(cfg: Config, api_servers: int = 1, stream_interval: int = 1):
 
 
 def part_serve(cfg: Config, stream_interval: int = 1, clients: list[int] | None = None) -> dict:
-    from bench.bench_serve import serve_clients
+    from bench.serve_clients import serve_clients
 
     server, startup, texts = started_server(cfg, stream_interval=stream_interval)
     try:
@@ -176,7 +176,7 @@ def gpu_processes() -> list[dict] | None:
 
 
 def part_api_servers(cfg: Config) -> dict:
-    from bench.bench_serve import serve_clients
+    from bench.serve_clients import serve_clients
     from tests.processes import cpu_seconds
 
     clients = max(cfg.clients)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from bench.bench_serve import ClientStats, drive_clients, percentile, stream_one
+from bench.serve_clients import ClientStats, drive_clients, percentile, stream_one
 from weights.tokenizer import GPT2Tokenizer
 
 REFERENCE_CONTEXT = 1024  # the sizes below are for GPT-2's context

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.bench_serve import ClientStats, percentile, stream_ids
+from bench.serve_clients import ClientStats, percentile, stream_ids
 from service.engine.ngram_drafter import NgramIndex, NgramSettings
 from tests.processes import cpu_seconds
 from weights.corpus import Work
