@@ -26,7 +26,7 @@ __all__ = ["Engine", "EngineConfig", "StepOutput"]
 
 @dataclass
 class StepOutput:
-    events: list[TokenEvent]
+    events: list[TokenEvent]  # by request, each request's in order
     finished: list[FinishedRequest]
     stats: StepStats
     failed: list[RequestFailed] = field(default_factory=list)
@@ -73,7 +73,8 @@ class Engine:
         processed = self.outputs.process(core_step)
         for request_id in processed.abort:
             self.core.cancel(request_id)
-        return StepOutput(processed.events, processed.finished, core_step.stats, processed.failed)
+        events = [event for mine in processed.events.values() for event in mine]
+        return StepOutput(events, processed.finished, core_step.stats, processed.failed)
 
     def generate(self, requests: list[GenerationRequest]) -> list[FinishedRequest]:
         """Run steps until these requests finish."""

@@ -21,6 +21,7 @@ class GPT2Tokenizer:
         if eos is None:
             raise ValueError(f"tokenizer has no {EOS_TEXT} token")
         self.eos_token_id = eos
+        self.special_ids = frozenset({eos})  # GPT-2's one special token
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
 
     def to_json(self) -> str:
@@ -71,7 +72,7 @@ class GPT2Tokenizer:
         return self._tok.id_to_token(token_id)
 
     def is_special(self, token_id: int) -> bool:
-        return token_id == self.eos_token_id
+        return token_id in self.special_ids
 
 
 def build_tokenizer(vocab_file: Path, merges_file: Path) -> Tokenizer:

@@ -12,13 +12,14 @@ It writes only while nothing can go wrong by skipping uvicorn's `send`: the resp
 with chunked encoding and is not complete, the client is connected, and the transport is not
 over its high-water mark (uvicorn's `send` would wait for it to drain; here the caller falls back
 to the queue, and the response's task sends the chunk through `send`, which waits). It reads
-uvicorn's RequestResponseCycle (the fields named in `ready`): pyproject.toml pins uvicorn, and
+uvicorn's RequestResponseCycle (the fields `write_events` checks): pyproject.toml pins uvicorn, and
 tests/reliability/test_uvicorn_internals.py checks them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 from starlette.types import Send
 from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
@@ -30,31 +31,28 @@ class BodyWriter:
     def __init__(self, cycle: RequestResponseCycle) -> None:
         self.cycle = cycle
 
-    def ready(self) -> bool:
-        """The next chunk can be written now, before any other this response has yet to send."""
+    def token_sink(self, event_bytes: Callable[[TokenEvent], bytes]) -> Callable[[list[TokenEvent]], bool]:
+        """A sink for EngineClient.hand_off: write_events with the route's `event_bytes`."""
+        return partial(self.write_events, event_bytes)
+
+    def write_events(self, event_bytes: Callable[[TokenEvent], bytes], events: list[TokenEvent]) -> bool:
+        """Write the events (`event_bytes` of each) as one body chunk, framed as uvicorn frames it,
+        if it can be written now, before any other chunk this response has yet to send; else
+        write nothing and return False. `event_bytes` is called only for events that are written."""
         cycle = self.cycle
-        return (
+        if not (
             cycle.response_started
             and cycle.chunked_encoding is True
             and not cycle.response_complete
             and not cycle.disconnected
             and not cycle.flow.write_paused
             and not cycle.transport.is_closing()
-        )
+        ):
+            return False
+        body = b"".join(map(event_bytes, events))
+        cycle.transport.write(b"%x\r\n%s\r\n" % (len(body), body))
+        return True
 
-    def write(self, body: bytes) -> None:
-        """One body chunk, framed as uvicorn frames it; only after ready() said True."""
-        self.cycle.transport.write(b"%x\r\n%s\r\n" % (len(body), body))
-
-    def token_sink(self, event_bytes: Callable[[TokenEvent], bytes]) -> Callable[[list[TokenEvent]], bool]:
-        """A sink for EngineClient.hand_off: writes a delivery's token events (`event_bytes` of
-        each, called only for events that are written) as one chunk when it can, else declines."""
-        def write_events(events: list[TokenEvent]) -> bool:
-            if not self.ready():
-                return False
-            self.write(b"".join(map(event_bytes, events)))
-            return True
-        return write_events
 
 def body_writer(server_send: Send | None) -> BodyWriter | None:
     """A writer for the response `server_send` (the server's own `send`, service/http/sse.py

@@ -10,12 +10,12 @@
 Everything runs on the event loop: one reader callback receives the core's per-step messages,
 turns them into text and results (service/http/outputs.py) and hands each request's items to its
 queue, or, for a stream that handed off (`hand_off`), its token events to the stream's sink, which
-writes them to the client at once. With a stream interval N > 1 (vLLM's and SGLang's
---stream-interval) a stream's token events are held until N have gathered, then delivered
-together (one write instead of N: a socket send per token is about a third of the HTTP CPU per
-token at 64 streams, docs/api-servers.md); its first token and its last go at once. A request
-submitted without token events (a whole answer) gets only its result: no wake-up of its waiting
-task per token.
+writes them to the client at once; the step's metrics are recorded after its tokens have gone.
+With a stream interval N > 1 (vLLM's and SGLang's --stream-interval) a stream's token events are
+held until N have gathered, then delivered together (one write instead of N: a socket send per
+token is about a third of the HTTP CPU per token at 64 streams, docs/api-servers.md); its first
+token and its last go at once. A request submitted without token events (a whole answer) gets
+only its result: no wake-up of its waiting task per token.
 Admission is decided here, synchronously, so a refusal is an immediate 422 / 429 / 503: the core
 never has to answer a request with anything but tokens.
 If the core process dies, every waiting request fails at once and `running` turns False
@@ -108,7 +108,6 @@ class EngineClient:
         # With stream_interval > 1: a stream's events since its last delivery, present from its
         # first delivery on (the first goes at once: the time to first token is not traded).
         self._held: dict[str, list[TokenEvent]] = {}
-        self._quiet: set[str] = set()  # requests whose caller wants their result alone
         self._process: multiprocessing.process.BaseProcess | None = None
         self._context: zmq.asyncio.Context | None = None
         self._to_core: zmq.asyncio.Socket | None = None
@@ -281,9 +280,7 @@ class EngineClient:
             raise QueueFull(f"{in_flight} requests are in flight (limit {self.max_in_flight})")
         queues = [asyncio.Queue() for _ in requests]
         self._queues.update((r.request_id, q) for r, q in zip(requests, queues))
-        if not token_events:
-            self._quiet.update(r.request_id for r in requests)
-        self.outputs.add(requests)
+        self.outputs.add(requests, token_events)
         self._send(AddRequests(requests, self.link.index if self.link is not None else 0))
         return queues
 
@@ -349,7 +346,11 @@ class EngineClient:
         inbox = self._inbox
         while self._reader is not None and not self._reader.done() and inbox.get(zmq.EVENTS) & zmq.POLLIN:
             try:
-                self._take_message(from_core.decode(inbox.recv(zmq.NOBLOCK)))
+                message = from_core.decode(inbox.recv(zmq.NOBLOCK))
+                if isinstance(message, CoreOutput):  # nearly every message: a step's output
+                    self._take_step(message)
+                else:
+                    self._take_message(message)
             except Exception:  # one bad step must not stop every stream's reading
                 log.exception("handling the engine core's message failed")
 
@@ -360,8 +361,6 @@ class EngineClient:
             self._dead = True
             self._deliver_failures(f"the engine core exited: {message.reason}")
             self._stop_reading()
-        elif isinstance(message, CoreOutput):
-            self._take_step(message)
         elif isinstance(message, AdapterNames):
             self._take_adapter_names(message)
 
@@ -372,90 +371,74 @@ class EngineClient:
         self._reader.set_result(None)
 
     def _take_step(self, message: CoreOutput) -> None:
+        """Deliver a step: its token events first (a stream's in one write by its sink, or to its
+        queue), then its results, then its stats to metrics."""
         step = message.step
         processed = self.outputs.process(step)
         if processed.abort:
             self._send(AbortRequests(processed.abort))
+        ended = [*processed.finished, *processed.failed]
+        # A request's last token goes with its result, to its queue (TGI puts the result on it).
+        ending = {result.request_id for result in ended} if ended else ()
+        events = processed.events if self.stream_interval == 1 else self._gather(processed.events, ending)
+        sinks, queues = self._sinks, self._queues
+        for request_id, mine in events.items():
+            sink = sinks.get(request_id)
+            if sink is not None:
+                if request_id not in ending:
+                    try:
+                        if sink(mine):
+                            continue
+                    except Exception:  # the reader serves every request: one sink's bug must not end it
+                        log.exception("a token sink failed; its request goes on through its queue")
+                del sinks[request_id]
+            queue = queues.get(request_id)
+            if queue is not None:
+                for event in mine:
+                    queue.put_nowait(event)
+        for result in ended:
+            queue = queues.get(result.request_id)
+            self._forget(result.request_id)
+            if queue is not None:
+                queue.put_nowait(result)
+        if ended:
+            self._publish_in_flight()
+        # The stats after the tokens: no token waits for metrics. A client that reads /metrics
+        # right after its reply still sees the step that finished it (gauges such as KV-cache
+        # usage): results reach it through queues, read once this callback has returned.
         self.last_stats = step.stats
-        # Stats first: a client that reads /metrics right after its reply must see the step
-        # that finished it (gauges such as KV-cache usage), not the one before.
         if self.on_step is not None:
             try:
                 self.on_step(step.stats)
             except Exception:
                 log.exception("on_step callback failed")
-        ended = [*processed.finished, *processed.failed]
-        # A request's last token goes with its result, to its queue (TGI puts the result on it).
-        ending = {result.request_id for result in ended} if ended else ()
-        sinks = self._sinks
-        for request_id, events in self._deliverable(processed.events, ending).items():
-            sink = sinks.get(request_id)
-            if sink is not None:
-                if request_id not in ending and self._sink_took(sink, events):
-                    continue
-                del sinks[request_id]
-            queue = self._queues.get(request_id)
-            if queue is not None:
-                for event in events:
-                    queue.put_nowait(event)
-        for result in ended:
-            queue = self._queues.get(result.request_id)
-            self._forget(result.request_id)
-            if queue is not None:
-                queue.put_nowait(result)
-        if processed.finished or processed.failed:
-            self._publish_in_flight()
 
-    def _deliverable(self, events: list[TokenEvent], ending: set[str] | tuple) -> dict[str, list[TokenEvent]]:
-        """The step's token events by request, in order, as they are to be delivered now: none
-        for a quiet request; with a stream interval, a stream's held events in front of its new
-        ones once N have gathered or the request ends, else nothing yet."""
-        by_request: dict[str, list[TokenEvent]] = {}
-        for event in events:
-            got = by_request.get(event.request_id)
-            if got is None:
-                by_request[event.request_id] = [event]
-            else:
-                got.append(event)
-        quiet, held, interval = self._quiet, self._held, self.stream_interval
-        if interval > 1:
-            for request_id in ending:  # its held events go out with its last ones (or its result)
-                if held.get(request_id) and request_id not in by_request:
-                    by_request[request_id] = []
-        if not quiet and interval == 1:
-            return by_request
-        for request_id in list(by_request):
-            if request_id in quiet:
-                del by_request[request_id]
-                continue
-            if interval == 1:
-                continue
+    def _gather(self, events: dict[str, list[TokenEvent]], ending: set[str] | tuple) -> dict[str, list[TokenEvent]]:
+        """With a stream interval N > 1, the step's token events as they are to be delivered now:
+        a stream's held events in front of its new ones once N have gathered or the request ends,
+        else nothing yet (its first delivery goes at once)."""
+        held, interval = self._held, self.stream_interval
+        for request_id in ending:  # its held events go out with its last ones (or its result)
+            if held.get(request_id) and request_id not in events:
+                events[request_id] = []
+        for request_id in list(events):
             before = held.get(request_id)
             if before is None:  # the stream's first delivery
                 if request_id not in ending:
                     held[request_id] = []
                 continue
-            before += by_request[request_id]
+            before += events[request_id]
             if request_id in ending or len(before) >= interval:
-                by_request[request_id] = before
+                events[request_id] = before
                 held[request_id] = []
             else:
-                del by_request[request_id]
-        return by_request
+                del events[request_id]
+        return events
 
     def _forget(self, request_id: str) -> None:
         self._queues.pop(request_id, None)
         self._sinks.pop(request_id, None)
         self._held.pop(request_id, None)
-        self._quiet.discard(request_id)
-
-    @staticmethod
-    def _sink_took(sink: TokenSink, events: list[TokenEvent]) -> bool:
-        try:
-            return sink(events)
-        except Exception:  # the reader serves every request: one sink's bug must not end it
-            log.exception("a token sink failed; its request goes on through its queue")
-            return False
 
     def _on_core_exit(self) -> None:
         """The core's process ended. A clean shutdown is finished by the reader; a crash fails

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import AsyncIterator
+from functools import partial
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
@@ -140,12 +141,13 @@ class ChatCall:
             out["usage"] = usage
         return out
 
-    def content_event(self, index: int, text: str) -> bytes:
-        """sse(self.chunk([{index, delta: {content}, logprobs: None, finish_reason: None}])), written
-        directly as routes_openai.Call.text_event is: the event sent per token."""
+    def content_event(self, index: int, event: TokenEvent) -> bytes:
+        """sse(self.chunk([{index, delta: {content}, logprobs: None, finish_reason: None}])) of the
+        event's text for choice `index`, written directly as routes_openai.Call.text_event is: the
+        event sent per token."""
         if self._delta_head is None:
             self._delta_head = "data: " + encode_json(self.chunk([]))[: -len("]}")]
-        return (f'{self._delta_head}{{"index": {index}, "delta": {{"content": {json_string(text)}}}, '
+        return (f'{self._delta_head}{{"index": {index}, "delta": {{"content": {json_string(event.text)}}}, '
                 f'"logprobs": null, "finish_reason": null}}]}}\n\n').encode()
 
     def message(self, text: str, finish_reason: str) -> tuple[dict, str]:
@@ -223,8 +225,8 @@ async def chat_chunks(state: ServiceState, chat: ChatCall, batch: CallStreams, r
     content_only = not body.logprobs and not continuous and buffered is None and chat.named is None
     plain = content_only and len(call.requests) == 1 and body.n == 1
     writer = body_writer(request.scope.get(SERVER_SEND)) if plain else None
-    direct = writer.token_sink(lambda event: chat.content_event(event.sequence_index, event.text)) \
-        if writer is not None else None
+    # Its one choice is choice 0.
+    direct = writer.token_sink(partial(chat.content_event, 0)) if writer is not None else None
     streamed = generated = 0
 
     def usage() -> dict | None:
@@ -252,7 +254,7 @@ async def chat_chunks(state: ServiceState, chat: ChatCall, batch: CallStreams, r
                             buffered[index] = buffered.get(index, "") + item.text
                             continue
                         if content_only:
-                            events.append(chat.content_event(index, item.text))
+                            events.append(chat.content_event(index, item))
                             continue
                         delta = {"tool_calls": [{"index": 0, "function": {"arguments": item.text}}]} \
                             if chat.named is not None else {"content": item.text}

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator, Callable
+from functools import partial
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
@@ -115,12 +116,13 @@ class Call:
             out["usage"] = usage
         return out
 
-    def text_event(self, index: int, text: str) -> bytes:
-        """sse(self.chunk([{index, text, logprobs: None, finish_reason: None}])), the event sent
-        per token, written directly: what every event of the call shares is encoded once."""
+    def text_event(self, index: int, event: TokenEvent) -> bytes:
+        """sse(self.chunk([{index, text, logprobs: None, finish_reason: None}])) of the event's
+        text for choice `index`, the event sent per token, written directly: what every event of
+        the call shares is encoded once."""
         if self._event_head is None:
             self._event_head = "data: " + encode_json(self.chunk([]))[: -len("]}")]
-        return (f'{self._event_head}{{"index": {index}, "text": {json_string(text)}, "logprobs": null, '
+        return (f'{self._event_head}{{"index": {index}, "text": {json_string(event.text)}, "logprobs": null, '
                 f'"finish_reason": null}}]}}\n\n').encode()
 
 
@@ -214,8 +216,8 @@ async def stream_chunks(state: ServiceState, call: Call, batch: CallStreams, req
     continuous = options is not None and options.continuous_usage_stats
     plain = body.logprobs is None and len(call.requests) == 1 and body.n == 1 and not continuous
     writer = body_writer(request.scope.get(SERVER_SEND)) if plain else None
-    direct = writer.token_sink(lambda event: call.text_event(call.choice_index(0, event.sequence_index), event.text)) \
-        if writer is not None else None
+    # Its one choice is choice 0.
+    direct = writer.token_sink(partial(call.text_event, 0)) if writer is not None else None
     try:
         if body.echo:
             for request_index in range(len(call.requests)):
@@ -224,7 +226,7 @@ async def stream_chunks(state: ServiceState, call: Call, batch: CallStreams, req
                     index = call.choice_index(request_index, sequence_index)
                     offsets[index] = len(prompt.text)
                     yield sse(call.chunk([{"index": index, "text": prompt.text, "logprobs": None, "finish_reason": None}],
-                                         call.usage(0))) if continuous else call.text_event(index, prompt.text)
+                                         call.usage(0) if continuous else None))
         async for arrived in state.generations.events(batch, request, direct):
             chunk = []
             for request_index, items in arrived:
@@ -235,7 +237,7 @@ async def stream_chunks(state: ServiceState, call: Call, batch: CallStreams, req
                         offsets[index] = start + len(item.text)
                         so_far += 1
                         if body.logprobs is None and not continuous:
-                            chunk.append(call.text_event(index, item.text))
+                            chunk.append(call.text_event(index, item))
                             continue
                         logprobs = None if body.logprobs is None else completion_logprobs(
                             [item.token_id], [item.logprob], [item.top_logprobs], body.logprobs, start, tokenizer

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 from collections.abc import AsyncIterator, Callable, Coroutine
 
 from fastapi.sse import KEEPALIVE_COMMENT, format_sse_event
@@ -32,15 +31,6 @@ def sse(payload: dict) -> bytes:
     json.dumps(payload, ensure_ascii=False), built directly (JSON has no raw line breaks, so the
     data is always one line)."""
     return b"data: " + encode_json(payload).encode() + b"\n\n"
-
-
-def json_number(value: float) -> str:
-    """A float as json.dumps writes it (its repr; NaN and the infinities by name).
-
-    The events sent for every token are written from templates with json_string and this: the
-    bytes json.dumps gives (tests/service/test_sse.py), at a fraction of the cost. orjson and
-    msgspec are faster still but write other bytes (no space after `:` and `,`; 1e-05 as 1e-5)."""
-    return float.__repr__(value) if math.isfinite(value) else json.dumps(value)
 
 
 async def keepalive_until_first(content: AsyncIterator[bytes], interval: float) -> AsyncIterator[bytes]:

@@ -25,7 +25,7 @@ Hop = tuple[str, str]  # (qualified name, file relative to the repository)
 
 PROJECT_DIRS = ("model", "service", "weights")
 ENGINE_STEP = "EngineCore.step"
-HTTP_MESSAGE = "EngineClient._take_message"
+HTTP_MESSAGE = "EngineClient._take_step"
 # Where each process writes what it recorded (the server's environment; GPT2_* would be a setting).
 OUT_VARIABLE = "TOKEN_HOPS_OUT"
 COMPREHENSIONS = ("<genexpr>", "<listcomp>", "<dictcomp>", "<setcomp>")

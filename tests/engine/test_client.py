@@ -18,12 +18,15 @@ from service.http.client import EngineClient
 from service.http.core_link import CoreLink, RunDir
 from service.engine.core import EngineConfig
 from service.engine.process import CoreProcessConfig
+from service.engine.protocol import CoreOutput
 from service.engine.types import (
+    CoreStep,
     EngineStopped,
     FinishedRequest,
     QueueFull,
     RequestFailed,
     StepStats,
+    StepTokens,
     TokenEvent,
 )
 from tests.conftest import TINY
@@ -134,6 +137,48 @@ def test_a_sink_takes_what_it_accepts_and_the_queue_the_rest_in_order(make_clien
     assert len(taken) >= 4 and offered[2] not in taken and offered[5] not in taken  # declined, then failed
     assert order[-1] not in offered  # the last token goes with the result
     assert "a token sink failed" in caplog.text
+
+
+def core_output(request_id: str, token_id: int) -> CoreOutput:
+    """A step that brings one token of one request."""
+    stats = StepStats(batch_size=1, prefill_tokens=0, decode_tokens=1, running=1, waiting=0, kv_slots_used=1,
+                      kv_slots_total=8, step_seconds=0.0)
+    return CoreOutput(CoreStep(StepTokens([request_id], [0], [token_id], [-1.0]), [], [], [], stats))
+
+
+def test_a_step_is_delivered_tokens_first_and_a_declining_sink_is_let_go(make_client, tokenizer):
+    """Driven step by step, as the reader callback would, with no core: the sink writes a step's
+    tokens before its stats reach metrics; once the sink declines a token it is offered nothing
+    more (a later token it wrote would reach the client before the declined one, which waits in
+    the queue), until the stream hands off again."""
+    seen = []  # what happened, in order
+    client = make_client(on_step=lambda stats: seen.append("stats"))
+    client._send = lambda message: None  # no core to tell
+    request = make_request([1, 2], max_new_tokens=10, ignore_eos=True)
+    words = tokenizer.encode(" one two three four")
+    accept = True
+
+    def sink(events: list[TokenEvent]) -> bool:
+        seen.append(("offered", [e.token_id for e in events]))
+        return accept
+
+    async def main():
+        nonlocal accept
+        client._reader = asyncio.get_running_loop().create_future()  # reading, as start() leaves it
+        [queue] = client.submit([request])
+        client.hand_off(request.request_id, sink)
+        client._take_step(core_output(request.request_id, words[0]))
+        accept = False
+        client._take_step(core_output(request.request_id, words[1]))  # declined: queued
+        client._take_step(core_output(request.request_id, words[2]))  # read in the same callback
+        assert seen == [("offered", [words[0]]), "stats", ("offered", [words[1]]), "stats", "stats"]
+        assert [queue.get_nowait().token_id for _ in range(2)] == words[1:3]
+        accept = True
+        client.hand_off(request.request_id, sink)
+        client._take_step(core_output(request.request_id, words[3]))
+        assert seen[-2:] == [("offered", [words[3]]), "stats"] and queue.empty()
+
+    run(main)
 
 
 def test_a_stream_interval_delivers_tokens_in_groups_first_and_last_at_once(make_client):

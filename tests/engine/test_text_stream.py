@@ -1,4 +1,4 @@
-"""service/http/text_stream.py: released text against the tokenizer's own decode of all tokens.
+"""service/http/outputs.py TextStream: released text against the tokenizer's own decode of all tokens.
 
 Reference: decode(all tokens), cut where the stop string starts. The stream releases text in
 pieces; their concatenation must equal the reference, and no piece may hold text that the
@@ -12,7 +12,7 @@ import random
 import pytest
 from tokenizers import Tokenizer, pre_tokenizers
 
-from service.http.text_stream import TextStream
+from service.http.outputs import TextStream
 
 
 def run(tokenizer, ids: list[int], stop: tuple[str, ...] = ()) -> tuple[list[str], TextStream, int]:

@@ -13,14 +13,21 @@ import service.http.sse as sse
 from service.http.body_writer import BodyWriter
 from tests.conftest import REPO
 from tests.engine.hop_recorder import EngineRecorder, HttpRecorder, Window, project_hop
-from tests.engine.token_hops import ROUTES, trace
+from tests.engine.token_hops import ROUTES, TokenPath, files_of, trace
 
 # Issue 45's goal: at most 25 distinct functions of the project in at most 12 files per streamed
-# token. The path is longer today; these bounds are its counts as measured (a ratchet): a change
-# that lengthens it fails here, and one that shortens it should lower them, down to the goal.
+# token, held against the serving path (the functions outside model/: token_hops.py's doc and
+# docs/engine.md say why). The paths are longer today; these bounds are their counts as measured
+# (a ratchet): a change that lengthens one fails here, and one that shortens it should lower them,
+# down to the goal for the serving path. The whole path, model/ included, is bounded too.
 GOAL_FUNCTIONS, GOAL_FILES = 25, 12
-MAX_FUNCTIONS = {"tgi": 73, "openai": 72}
-MAX_FILES = {"tgi": 27, "openai": 25}
+MAX_FUNCTIONS = {"tgi": 59, "openai": 59}  # the whole path
+MAX_FILES = {"tgi": 23, "openai": 23}
+MAX_SERVING_FUNCTIONS = {"tgi": 37, "openai": 37}  # the serving path: the goal's
+MAX_SERVING_FILES = {"tgi": 16, "openai": 16}
+# The HTTP process's share alone, so that a shorter engine core cannot hide a longer HTTP side.
+MAX_HTTP_FUNCTIONS = {"tgi": 6, "openai": 6}
+MAX_HTTP_FILES = {"tgi": 4, "openai": 4}
 
 STREAMED, TRACED = 20, (10, 14)  # tokens per stream; two middle tokens, which take one path
 
@@ -95,9 +102,9 @@ class Message:
 class EngineClient:
     def _on_readable(self, messages, transport):
         for message in messages:
-            self._take_message(message, transport)
+            self._take_step(message, transport)
 
-    def _take_message(self, message, transport):
+    def _take_step(self, message, transport):
         transport.write(event_bytes(message))
         after_the_write()
 
@@ -145,10 +152,23 @@ def test_an_http_window_runs_from_the_message_to_the_write():
     messages = [reader["Message"](core["Step"](ids)) for ids in (["a", "b"], ["a"])]
     windows = recorded(HttpRecorder(), lambda: reader["EngineClient"]()._on_readable(messages, Transport()))
     # What follows the write is outside the window, which ends there.
-    path = {(name, "service/reader.py") for name in ("EngineClient._on_readable", "EngineClient._take_message",
+    path = {(name, "service/reader.py") for name in ("EngineClient._on_readable", "EngineClient._take_step",
                                                       "event_bytes")}
     assert [(w.tokens, w.written, w.hops) for w in windows] == [
         ({"a": [1], "b": [1]}, True, path), ({"a": [2]}, True, path)]
+
+
+def test_the_serving_path_is_the_path_outside_the_model_package():
+    engine = [("EngineCore.step", "service/engine/core.py"), ("GPT2.forward", "model/gpt2.py"),
+              ("Block.forward", "model/gpt2.py"), ("choose_tokens", "model/sampling.py")]
+    http = [("EngineClient._take_step", "service/http/client.py"), ("EngineCore.step", "service/engine/core.py")]
+    path = TokenPath("tgi", 3, engine, http)
+    assert (len(path.functions), len(path.files)) == (5, 4)  # a function both processes cross counts once
+    assert path.serving == [("EngineClient._take_step", "service/http/client.py"),
+                            ("EngineCore.step", "service/engine/core.py")]
+    assert files_of(path.serving) == ["service/engine/core.py", "service/http/client.py"]
+    # A folder only named like the model package is not it.
+    assert TokenPath("tgi", 3, [("f", "modeling/a.py")], []).serving == [("f", "modeling/a.py")]
 
 
 @pytest.mark.slow
@@ -159,7 +179,13 @@ def test_one_streamed_token_crosses_a_bounded_path(paths, route):
     # The window rules out timing: two middle tokens of one stream cross the same functions.
     differ = sorted(set(middle.engine) ^ set(later.engine)) + sorted(set(middle.http) ^ set(later.http))
     assert not differ, f"tokens {middle.token} and {later.token} of a {route} stream cross other functions: {differ}"
-    counts = {"functions": (len(middle.functions), MAX_FUNCTIONS[route], GOAL_FUNCTIONS),
-              "files": (len(middle.files), MAX_FILES[route], GOAL_FILES)}
-    over = [f"{n} {what} (bound {bound}, goal {goal})" for what, (n, bound, goal) in counts.items() if n > bound]
+    serving = middle.serving
+    counts = {"functions": (len(middle.functions), MAX_FUNCTIONS[route]),
+              "files": (len(middle.files), MAX_FILES[route]),
+              "serving-path functions": (len(serving), MAX_SERVING_FUNCTIONS[route], GOAL_FUNCTIONS),
+              "serving-path files": (len(files_of(serving)), MAX_SERVING_FILES[route], GOAL_FILES),
+              "HTTP-process functions": (len(middle.http), MAX_HTTP_FUNCTIONS[route]),
+              "HTTP-process files": (len(files_of(middle.http)), MAX_HTTP_FILES[route])}
+    over = [f"{n} {what} (bound {bound}" + (f", goal {goal[0]})" if goal else ")")
+            for what, (n, bound, *goal) in counts.items() if n > bound]
     assert not over, f"one {route} token crosses " + " and ".join(over)

@@ -20,8 +20,11 @@ from service.http.body_limit import BodyLimitMiddleware
 from service.http.drain import DrainMiddleware
 from service.http.request_guards import FramingMiddleware, HostAllowListMiddleware
 from service.http.routes_openai import Call
-from service.http.routes_tgi import stream_token, token_event
+from service.engine.types import TokenEvent
+from service.http.routes_chat import ChatCall
+from service.http.routes_tgi import TokenNumbering, stream_token
 from service.http.schemas import CompletionRequest
+from service.http.schemas_chat import ChatCompletionRequest
 from service.http.sse import SERVER_SEND, EventStream, keepalive_until_first, sse
 from tests.service.conftest import settings_for
 
@@ -99,8 +102,10 @@ def floats(count: int) -> list[float]:
 
 
 class Tokenizer:
+    special_ids = frozenset({50256})
+
     def is_special(self, token_id: int) -> bool:
-        return token_id == 50256
+        return token_id in self.special_ids
 
 
 def test_sse_is_fastapis_framing_of_json_dumps():
@@ -111,10 +116,11 @@ def test_sse_is_fastapis_framing_of_json_dumps():
 
 def test_a_tgi_token_event_is_the_json_of_its_payload():
     tokenizer = Tokenizer()
+    numbering = TokenNumbering(tokenizer, writer=None)
     for i, (text, logprob) in enumerate(zip(texts(400), floats(400))):
         token_id = 50256 if i % 7 == 0 else i
         expected = sse(stream_token(token_id, text, logprob, i + 1, tokenizer))
-        assert token_event(i + 1, token_id, text, logprob, tokenizer.is_special(token_id)) == expected
+        assert numbering.plain_event(TokenEvent("r", 0, token_id, text, logprob)) == expected
 
 
 def test_an_openai_text_event_is_the_json_of_its_chunk():
@@ -122,7 +128,16 @@ def test_an_openai_text_event_is_the_json_of_its_chunk():
     call = Call(body, prompts=[object()], requests=[object(), object()], model=body.model)
     for i, text in enumerate(texts(200)):
         expected = sse(call.chunk([{"index": i, "text": text, "logprobs": None, "finish_reason": None}]))
-        assert call.text_event(i, text) == expected
+        assert call.text_event(i, TokenEvent("r", 0, 1, text, -1.0)) == expected
+
+
+def test_a_chat_content_event_is_the_json_of_its_chunk():
+    body = ChatCompletionRequest(model='gpt2 "quoted" é', messages=[{"role": "user", "content": "x"}], n=2)
+    chat = ChatCall(Call(body, prompts=[object()], requests=[object(), object()], model=body.model, prefix="chatcmpl"),
+                    body)
+    for i, text in enumerate(texts(200)):
+        expected = sse(chat.chunk([{"index": i, "delta": {"content": text}, "logprobs": None, "finish_reason": None}]))
+        assert chat.content_event(i, TokenEvent("r", 0, 1, text, -1.0)) == expected
 
 
 def test_an_event_streams_body_goes_to_the_servers_own_send():
