@@ -1,4 +1,5 @@
-"""The HTTP process's handle on the engine core process (vLLM V1's AsyncLLM / core client).
+"""The HTTP process's handle on the engine core (vLLM V1's AsyncLLM): the front end requests use
+(submit, cancel, hand_off, admission) and the delivery of the core's steps back to them.
 
     client = EngineClient(config, tokenizer, on_step=metrics.observe_step, max_in_flight=80)
     await client.start()                       # spawns the core, waits until its model is loaded
@@ -21,41 +22,22 @@ never has to answer a request with anything but tokens.
 If the core process dies, every waiting request fails at once and `running` turns False
 (/health answers 503).
 
-With --api-servers N (service/workers.py) the core is not this process's child: given a
-CoreLink, the client binds its own pair of sockets in the run directory, says Hello to the core
-the supervisor started, watches the core's pid (a pidfd) for its death, and admits against the
+The core's process, its sockets and its end are service/http/core_process.py's; adapter load
+and unload commands, service/http/adapter_commands.py's. With --api-servers N (service/workers.py)
+the core is the supervisor's, reached through a CoreLink, and admission counts against the
 in-flight count every HTTP process shares (service/http/core_link.py).
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
-import multiprocessing
-import os
-import shutil
-import tempfile
 from collections.abc import Callable
-from dataclasses import replace
 
 import zmq
-import zmq.asyncio
 
-from service.engine.process import CoreProcessConfig, run_core
-from service.engine.protocol import (
-    AbortRequests,
-    AdapterCommand,
-    AdapterNames,
-    AddRequests,
-    CoreExit,
-    CoreOutput,
-    CoreReady,
-    Hello,
-    Shutdown,
-    encoder,
-    from_core,
-)
+from service.engine.process import CoreProcessConfig
+from service.engine.protocol import AbortRequests, AdapterNames, AddRequests, CoreExit, CoreOutput, Shutdown, from_core
 from service.engine.validation import validate_request
 from service.engine.types import (
     EngineStopped,
@@ -66,7 +48,9 @@ from service.engine.types import (
     StepStats,
     TokenEvent,
 )
+from service.http.adapter_commands import AdapterCommands
 from service.http.core_link import CoreLink, SharedInFlight
+from service.http.core_process import CoreProcess
 from service.http.outputs import OutputProcessor
 from weights.tokenizer import GPT2Tokenizer
 
@@ -96,8 +80,8 @@ class EngineClient:
             raise ValueError("stream_interval must be at least 1")
         if config.engine.max_len is None:
             raise ValueError("the engine config must name max_len: the HTTP side validates lengths")
-        self.config = config
         self.max_len = config.engine.max_len
+        self.max_slots = config.engine.max_slots
         self.outputs = OutputProcessor(tokenizer)
         self.on_step = on_step
         self.max_in_flight = max_in_flight or config.engine.max_slots + config.engine.max_waiting
@@ -108,101 +92,31 @@ class EngineClient:
         # With stream_interval > 1: a stream's events since its last delivery, present from its
         # first delivery on (the first goes at once: the time to first token is not traded).
         self._held: dict[str, list[TokenEvent]] = {}
-        self._process: multiprocessing.process.BaseProcess | None = None
-        self._context: zmq.asyncio.Context | None = None
-        self._to_core: zmq.asyncio.Socket | None = None
-        self._from_core: zmq.asyncio.Socket | None = None
+        self._core = CoreProcess(config, link, on_death=self._on_core_death)
         # Done when the core's last message (CoreExit) has been read, or reading stopped.
         self._reader: asyncio.Future | None = None
-        self._inbox: zmq.Socket | None = None  # _from_core as a plain socket, read by _on_readable
-        self._socket_dir: str | None = None
-        self.link = link
+        self._inbox: zmq.Socket | None = None  # the core's messages, read by _on_readable
         self._shared = SharedInFlight(link.run_dir, link.index) if link is not None else None
-        self._core_fd: int | None = None  # readable when the core's process ends
         self._closed = False  # stop() was called: no new work
         self._shutdown: Shutdown | None = None
         self._shutdown_sent = False
         self._dead = False
-        # The LoRA adapters requests may name, as the core last said (it tells every HTTP
-        # process after each load or unload), and the answers awaited by ticket.
-        self.adapters: list[str] = []
-        self._adapter_answers: dict[int, asyncio.Future] = {}
-        self._tickets = itertools.count()
+        self._adapters = AdapterCommands(self._core.send, self._core.client_index)
 
     # --- life cycle ------------------------------------------------------------------------------
     async def start(self, timeout: float = 300.0) -> None:
-        """Spawn the core (or, with a link, reach the supervisor's) and wait until it has loaded
-        the model. Raises RuntimeError if it cannot."""
-        self._context = zmq.asyncio.Context()
-        self._to_core = self._context.socket(zmq.PUSH)
-        self._from_core = self._context.socket(zmq.PULL)
-        if self.link is not None:
-            inputs, outputs = self.link.input_address, self.link.output_address
-        else:
-            self._socket_dir = tempfile.mkdtemp(prefix="gpt2-core-")
-            inputs, outputs = (f"ipc://{self._socket_dir}/{name}" for name in ("in", "out"))
-        self._to_core.bind(inputs)
-        self._from_core.bind(outputs)
-        if self.link is None:
-            config = replace(self.config, input_addresses=(inputs,), output_addresses=(outputs,))
-            # spawn, not fork: the HTTP process has threads (and, on a GPU, a CUDA context).
-            self._process = multiprocessing.get_context("spawn").Process(
-                target=run_core, args=(config,), name="gpt2-engine-core", daemon=True
-            )
-            self._process.start()
-        try:
-            ready = await asyncio.wait_for(self._handshake(), timeout)
-        except asyncio.TimeoutError:
-            await self._kill()
-            raise RuntimeError(f"the engine core did not start within {timeout:.0f} s") from None
-        if not isinstance(ready, CoreReady):
-            await self._kill()
-            raise RuntimeError(getattr(ready, "reason", f"unexpected first message {ready!r}"))
-        self.adapters = list(ready.adapters)
-        # Its own child's sentinel; another's pid, through a pidfd: either is readable at its end.
-        self._core_fd = self._process.sentinel if self._process is not None else os.pidfd_open(ready.pid)
-        loop = asyncio.get_running_loop()
-        loop.add_reader(self._core_fd, self._on_core_exit)
+        """Start the engine core (service/http/core_process.py) and read its messages once it has
+        loaded the model. Raises RuntimeError if it cannot."""
+        ready = await self._core.start(timeout)
+        self._adapters.names = list(ready.adapters)
         # Read by a callback on the socket's descriptor, not by awaiting zmq.asyncio's recv: its
         # futures, task wake-ups and event bookkeeping cost more than the step's own handling
         # (docs/api-servers.md). ZeroMQ's descriptor is edge-triggered: each callback reads all.
+        loop = asyncio.get_running_loop()
         self._reader = loop.create_future()
-        self._inbox = zmq.Socket.shadow(self._from_core.underlying)
+        self._inbox = self._core.inbox
         loop.add_reader(self._inbox.FD, self._on_readable)
         self._on_readable()  # what arrived before the descriptor was watched signals no edge
-
-    async def _handshake(self) -> CoreReady | CoreExit:
-        if self.link is None:
-            return from_core.decode(await self._from_core.recv())
-        # One of several HTTP processes: the supervisor's core answers, unless the supervisor
-        # ends first (its core goes with it). Its death signal reaches this process, but uvicorn
-        # only flags an exit while the start-up waits, so without this watch the process would
-        # keep the port's socket for the whole start-up timeout.
-        orphaned = CoreExit("the supervisor exited before the engine core was ready")
-        try:
-            supervisor = os.pidfd_open(self.link.supervisor_pid)
-        except ProcessLookupError:
-            return orphaned
-        loop = asyncio.get_running_loop()
-        ended = loop.create_future()
-        loop.add_reader(supervisor, lambda: ended.done() or ended.set_result(None))
-        answer = asyncio.ensure_future(self._linked_handshake())
-        try:
-            await asyncio.wait({answer, ended}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            loop.remove_reader(supervisor)
-            os.close(supervisor)
-            if not answer.done():
-                answer.cancel()
-        return answer.result() if answer.done() else orphaned
-
-    async def _linked_handshake(self) -> CoreReady | CoreExit:
-        await self._to_core.send(encoder.encode(Hello(self.link.index)))
-        while True:
-            # A restarted process may first get what the core queued for its predecessor.
-            message = from_core.decode(await self._from_core.recv())
-            if isinstance(message, (CoreReady, CoreExit)):
-                return message
 
     @property
     def running(self) -> bool:
@@ -221,15 +135,15 @@ class EngineClient:
 
     def _shut_core_down(self) -> bool:
         """Send the core its Shutdown, once, if this process may; True once it has been sent."""
-        if not self._shutdown_sent and self.running and (self.link is None or self.link.run_dir.stopping):
-            self._send(self._shutdown)
+        if not self._shutdown_sent and self.running and self._core.may_shut_down:
+            self._core.send(self._shutdown)
             self._shutdown_sent = True
         return self._shutdown_sent
 
     async def stop(self, timeout: float | None = None, drain: bool = True) -> None:
         """close(), then wait for the core's last results and its exit."""
         self.close(timeout, drain)
-        if self._process is None and self._core_fd is None:
+        if not self._core.attached:
             return
         # Asked again: a signal that reaches every process at once (Ctrl-C) can come before the
         # supervisor has said that the whole server stops.
@@ -237,31 +151,11 @@ class EngineClient:
             # Reading ends on the core's CoreExit, after delivering its last results.
             grace = None if timeout is None else timeout + 10.0
             await asyncio.wait({self._reader}, timeout=grace)
-        await self._kill()
-
-    async def _kill(self) -> None:
-        """Stop watching the core (and end it, if it is this process's child); fail what waits."""
-        process, self._process = self._process, None
-        if self._core_fd is not None:
-            asyncio.get_running_loop().remove_reader(self._core_fd)
-            if process is None:
-                os.close(self._core_fd)
-            self._core_fd = None
-        if process is not None:
-            await asyncio.to_thread(process.join, 5.0)
-            if process.is_alive():
-                process.kill()  # it ignores SIGTERM: the HTTP side owns its shutdown
-                await asyncio.to_thread(process.join)
+        await self._core.end()
         self._stop_reading()
         self._dead = True
         self._deliver_failures("the engine core stopped")
-        for sock in (self._to_core, self._from_core):
-            if sock is not None:
-                sock.close(linger=0)
-        if self._context is not None:
-            self._context.term()
-        if self._socket_dir is not None:
-            shutil.rmtree(self._socket_dir, ignore_errors=True)
+        self._core.close()
 
     # --- requests ---------------------------------------------------------------------------------
     def submit(self, requests: list[GenerationRequest], token_events: bool = True) -> list[asyncio.Queue]:
@@ -269,9 +163,8 @@ class EngineClient:
         Without `token_events` a queue gets the request's result alone."""
         if self._closed or not self.running:
             raise EngineStopped("the server is shutting down" if self._closed else "the engine core is not running")
-        engine = self.config.engine
         for request in requests:
-            validate_request(request, self.max_len, engine.max_slots)
+            validate_request(request, self.max_len, self.max_slots)
         if self._shared is not None:
             in_flight = self._shared.admit(len(requests), self.max_in_flight)
         else:
@@ -281,7 +174,7 @@ class EngineClient:
         queues = [asyncio.Queue() for _ in requests]
         self._queues.update((r.request_id, q) for r, q in zip(requests, queues))
         self.outputs.add(requests, token_events)
-        self._send(AddRequests(requests, self.link.index if self.link is not None else 0))
+        self._core.send(AddRequests(requests, self._core.client_index))
         return queues
 
     def cancel(self, request_id: str) -> FinishedRequest | None:
@@ -290,7 +183,7 @@ class EngineClient:
         self._forget(request_id)
         finished = self.outputs.abort(request_id)
         if finished is not None and self.running:
-            self._send(AbortRequests([request_id]))
+            self._core.send(AbortRequests([request_id]))
         self._publish_in_flight()
         return finished
 
@@ -314,32 +207,17 @@ class EngineClient:
         if self._shared is not None:
             self._shared.publish(len(self.outputs))
 
+    @property
+    def adapters(self) -> list[str]:
+        """The LoRA adapters requests may name, as the core last said."""
+        return self._adapters.names
+
     async def adapter_command(self, name: str, folder: str | None, timeout: float = 300.0) -> None:
         """Load the peft folder as LoRA adapter `name` in the engine core, or unload it (folder
         None). Raises ValueError with the core's one-line reason when it refuses."""
         if not self.running:
             raise RuntimeError("the engine core is not running")
-        ticket = next(self._tickets)
-        answer = asyncio.get_running_loop().create_future()
-        self._adapter_answers[ticket] = answer
-        self._send(AdapterCommand(ticket, name, folder, self.link.index if self.link is not None else 0))
-        try:
-            error = await asyncio.wait_for(answer, timeout)
-        finally:
-            self._adapter_answers.pop(ticket, None)
-        if error is not None:
-            raise ValueError(error)
-
-    def _take_adapter_names(self, message: AdapterNames) -> None:
-        self.adapters = list(message.names)
-        mine = message.client == (self.link.index if self.link is not None else 0)
-        answer = self._adapter_answers.get(message.ticket) if mine else None
-        if answer is not None and not answer.done():
-            answer.set_result(message.error)
-
-    def _send(self, message) -> None:
-        # A PUSH to a connected peer does not block below its high-water mark (1000 messages).
-        self._to_core.send(encoder.encode(message), copy=False)
+        await self._adapters.run(name, folder, timeout)
 
     # --- the core's messages ------------------------------------------------------------------------
     def _on_readable(self) -> None:
@@ -362,7 +240,7 @@ class EngineClient:
             self._deliver_failures(f"the engine core exited: {message.reason}")
             self._stop_reading()
         elif isinstance(message, AdapterNames):
-            self._take_adapter_names(message)
+            self._adapters.take(message)
 
     def _stop_reading(self) -> None:
         if self._reader is None or self._reader.done():
@@ -376,7 +254,7 @@ class EngineClient:
         step = message.step
         processed = self.outputs.process(step)
         if processed.abort:
-            self._send(AbortRequests(processed.abort))
+            self._core.send(AbortRequests(processed.abort))
         ended = [*processed.finished, *processed.failed]
         # A request's last token goes with its result, to its queue (TGI puts the result on it).
         ending = {result.request_id for result in ended} if ended else ()
@@ -440,27 +318,19 @@ class EngineClient:
         self._sinks.pop(request_id, None)
         self._held.pop(request_id, None)
 
-    def _on_core_exit(self) -> None:
+    def _on_core_death(self, reason: str) -> None:
         """The core's process ended. A clean shutdown is finished by the reader; a crash fails
         every waiting request now rather than leaving its client hanging."""
-        if self._core_fd is not None:
-            asyncio.get_running_loop().remove_reader(self._core_fd)
         if self._closed:
             return
-        # The exit code is known only to the core's parent (this process, or the supervisor).
-        died = "the engine core process died"
-        if self._process is not None:
-            died += f" (exit code {self._process.exitcode})"
-        log.error(died)
+        log.error(reason)
         self._dead = True
         self._stop_reading()
-        self._deliver_failures(died)
+        self._deliver_failures(reason)
 
     def _deliver_failures(self, message: str) -> None:
         self._sinks.clear()
-        for answer in self._adapter_answers.values():
-            if not answer.done():
-                answer.set_exception(RuntimeError(message))
+        self._adapters.fail(message)
         for failed in self.outputs.fail_all(message):
             queue = self._queues.get(failed.request_id)
             held = self._held.get(failed.request_id, ())  # what it generated still reaches the client

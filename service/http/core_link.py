@@ -87,7 +87,7 @@ class CoreLink:
     run_dir: RunDir
     index: int
     # The supervisor's pid: while this process waits for the core's first answer, the
-    # supervisor's end means no core will ever answer (EngineClient.start stops waiting).
+    # supervisor's end means no core will ever answer (CoreProcess.start stops waiting).
     supervisor_pid: int
 
     @property

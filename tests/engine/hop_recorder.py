@@ -179,11 +179,11 @@ def traced_run_core(config) -> None:
 def serve_traced(argv: list[str]) -> None:
     """`python -m service ARGV` in this process, traced once armed, its engine core spawned traced too."""
     import service.__main__ as launcher
-    import service.http.client as client
+    import service.http.core_process as core_process
 
-    if not hasattr(client, "run_core"):
-        raise RuntimeError("service/http/client.py no longer spawns the core with run_core: trace its new target")
-    client.run_core = traced_run_core  # the spawned process imports this module to run it
+    if not hasattr(core_process, "run_core"):
+        raise RuntimeError("service/http/core_process.py no longer spawns the core with run_core: trace its new target")
+    core_process.run_core = traced_run_core  # the spawned process imports this module to run it
     recorder = HttpRecorder()
     arm_on_signal(recorder, "http")
     # uvicorn re-raises the SIGTERM it stopped on once it has shut down: exit through `finally`.

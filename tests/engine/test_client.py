@@ -37,9 +37,10 @@ WAIT = 60.0
 
 @pytest.fixture
 def make_client(tiny_model_dir, tokenizer):
-    def make(on_step=None, max_in_flight=None, link=None, stream_interval=1, **engine) -> EngineClient:
+    def make(on_step=None, max_in_flight=None, link=None, stream_interval=1, model_dir=tiny_model_dir,
+             **engine) -> EngineClient:
         engine_config = EngineConfig(**{"max_slots": 8, "max_len": TINY.n_positions, **engine})
-        config = CoreProcessConfig(tiny_model_dir, "cpu", "float32", 1, engine_config, tokenizer.eos_token_id)
+        config = CoreProcessConfig(model_dir, "cpu", "float32", 1, engine_config, tokenizer.eos_token_id)
         return EngineClient(config, tokenizer, on_step=on_step, max_in_flight=max_in_flight, link=link,
                             stream_interval=stream_interval)
 
@@ -80,7 +81,7 @@ def test_requests_stream_from_the_core_process_and_match_generate(make_client, h
 
     async def main():
         await client.start()
-        core_pid = client._process.pid
+        core_pid = client._core.pid
         queues = client.submit([make_request(p, max_new_tokens=6) for p in prompts])
         outputs = await asyncio.gather(*(collect(q) for q in queues))
         await client.stop()
@@ -153,7 +154,7 @@ def test_a_step_is_delivered_tokens_first_and_a_declining_sink_is_let_go(make_cl
     the queue), until the stream hands off again."""
     seen = []  # what happened, in order
     client = make_client(on_step=lambda stats: seen.append("stats"))
-    client._send = lambda message: None  # no core to tell
+    client._core.send = lambda message: None  # no core to tell
     request = make_request([1, 2], max_new_tokens=10, ignore_eos=True)
     words = tokenizer.encode(" one two three four")
     accept = True
@@ -250,7 +251,7 @@ def test_tokens_a_stream_interval_holds_reach_the_client_before_the_failure(make
         while len(steps) < seen + 5:
             await asyncio.sleep(0.01)
         assert queue.empty()  # held
-        os.kill(client._process.pid, signal.SIGKILL)
+        os.kill(client._core.pid, signal.SIGKILL)
         result = await collect(queue)
         await client.stop()
         return result
@@ -360,7 +361,7 @@ def test_a_killed_core_fails_every_waiting_request_at_once(make_client):
         await client.start()
         running = await running_request(client, make_request([1, 2], max_new_tokens=100, ignore_eos=True))
         [waiting] = client.submit([make_request([3], max_new_tokens=5)])  # no free slot: queued
-        os.kill(client._process.pid, signal.SIGKILL)
+        os.kill(client._core.pid, signal.SIGKILL)
         results = [await collect(running), await collect(waiting)]
         alive = client.running
         with pytest.raises(EngineStopped):
@@ -375,8 +376,7 @@ def test_a_killed_core_fails_every_waiting_request_at_once(make_client):
 
 
 def test_a_core_that_cannot_load_its_model_fails_start_with_its_reason(make_client, tmp_path):
-    client = make_client()
-    client.config = client.config.__class__(**{**vars(client.config), "model_dir": tmp_path / "missing"})
+    client = make_client(model_dir=tmp_path / "missing")
 
     async def main():
         with pytest.raises(RuntimeError, match="missing"):
