@@ -13,10 +13,10 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse
+from pydantic import BaseModel, ConfigDict, Field
 
 from service.analysis.startup import analysis_client
 from service.common.errors import ApiError, validation_error
-from service.http.schemas import LoadAdapterRequest, UnloadAdapterRequest
 from service.http.state import ServiceState, service_state
 
 router = APIRouter(prefix="/v1", tags=["LoRA adapters"])
@@ -26,6 +26,22 @@ ERRORS = {
     404: {"description": "unload: no adapter by that name"},
     422: {"description": "load: the folder is refused (its reason), or the name is taken"},
 }
+
+# Names a LoRA adapter may have: what a URL path segment and a metric label carry as they are.
+ADAPTER_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+
+
+class LoadAdapterRequest(BaseModel):
+    """vLLM's POST /v1/load_lora_adapter body."""
+
+    model_config = ConfigDict(extra="forbid")
+    lora_name: str = Field(pattern=ADAPTER_NAME, description="the name requests will give it (OpenAI model, TGI adapter_id)")
+    lora_path: str = Field(min_length=1, max_length=4096, description="its peft folder on the server's machine")
+
+
+class UnloadAdapterRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    lora_name: str = Field(pattern=ADAPTER_NAME)
 
 
 def admin_only(state: ServiceState) -> None:

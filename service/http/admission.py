@@ -15,7 +15,8 @@ from starlette.concurrency import run_in_threadpool
 from service.common.errors import validation_error
 from service.engine.types import MAX_BAD_WORD_TOKENS, GenerationRequest, SamplingParams
 from service.http.grammar import GrammarRequest
-from service.http.schemas import CompletionRequest, TGIParameters
+from service.http.schemas_openai import CompletionRequest
+from service.http.schemas_tgi import TGIParameters
 from service.settings import Settings
 from weights.tokenizer import GPT2Tokenizer
 

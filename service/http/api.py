@@ -8,14 +8,42 @@ from importlib.metadata import PackageNotFoundError, version
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel, ConfigDict, Field
 
 from model.quantized import QUANTIZE_METHODS
 from service.common.errors import error_response
 from service.http.grammar import KINDS as GRAMMAR_KINDS
-from service.http.schemas import Info
 from service.http.state import service_state
 
 router = APIRouter(tags=["Service"])
+
+
+class Info(BaseModel):
+    model_id: str
+    model_dtype: str
+    model_device_type: str
+    config: dict = Field(description="the GPT-2 hyper-parameters")
+    weights_origin: dict
+    quantization: dict = Field(
+        description="mode (--quantize); the weights generation runs on (engine core) and those the /analyze routes"
+        " read (always the float ones); method (null: none)"
+    )
+    max_input_tokens: int
+    max_total_tokens: int
+    max_new_tokens: int
+    max_batch_size: int
+    max_waiting_requests: int
+    max_stop_sequences: int
+    max_best_of: int
+    max_prompts_per_request: int
+    max_body_bytes: int
+    kv_cache: dict = Field(description="slots used and total right now, and whether prompts reuse cached prefixes")
+    max_prefill_tokens_per_step: int = Field(description="prompt tokens one engine step prefills; longer prompts go in chunks")
+    speculative_decoding: dict = Field(description="n-gram drafts: method (null: off), n-gram sizes, the most tokens drafted per step, rows per weight pass (how drafts are priced)")
+    grammar: dict = Field(description="constrained decoding: the grammar engine and the kinds of grammar served (json, regex, choice, grammar)")
+    version: str
+
+    model_config = ConfigDict(protected_namespaces=())
 
 
 def package_version(package: str = "gpt2-serve") -> str:

@@ -28,7 +28,8 @@ import llguidance
 from service.common.errors import validation_error
 from service.common.metrics import Metrics
 from service.engine.grammar import LIMITS, Grammars
-from service.http.schemas import CompletionRequest, TGIParameters
+from service.http.schemas_openai import CompletionRequest
+from service.http.schemas_tgi import TGIParameters
 
 MAX_GRAMMAR_CHARS = 64_000  # a schema's JSON, a regex, a grammar or the choices, as sent
 MAX_SCHEMA_DEPTH = 32  # nested objects and arrays in a schema

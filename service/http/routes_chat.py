@@ -32,7 +32,7 @@ from service.http.chat_template import TemplateError
 from service.http.generation import CallStreams
 from service.http.routes_openai import Call, admit, answer, openai_finish_reason
 from service.http.routes_tgi import ERRORS
-from service.http.schemas import CompletionRequest
+from service.http.schemas_openai import CompletionRequest
 from service.http.schemas_chat import MAX_KWARGS_CHARS, ChatCompletionRequest, NamedToolChoice
 from service.http.sse import DONE, SERVER_SEND, encode_json, json_string, sse
 from service.http.state import ServiceState, service_state

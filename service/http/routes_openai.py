@@ -30,7 +30,7 @@ from service.common.metrics import set_outcome
 from service.engine.types import FinishedRequest, FinishedSequence, GenerationRequest, TokenEvent
 from service.http.routes_tgi import CLIENT_GONE, ERRORS
 from service.http.scoring import completion_logprobs, vllm_prompt_logprobs
-from service.http.schemas import CompletionRequest, CompletionResponse, ModelCard, ModelList
+from service.http.schemas_openai import CompletionRequest, CompletionResponse, ModelCard, ModelList
 from service.http.body_writer import body_writer
 from service.http.sse import DONE, SERVER_SEND, EventStream, encode_json, json_string, sse
 from service.http.state import ServiceState, service_state

@@ -21,7 +21,7 @@ from service.http.grammar import tgi_grammar
 from service.common.metrics import set_outcome
 from service.engine.types import FinishedRequest, FinishedSequence, GenerationRequest, TokenEvent
 from service.http.scoring import tgi_top_tokens
-from service.http.schemas import GenerateResponse, TGIParameters, TGIRequest
+from service.http.schemas_tgi import GenerateResponse, TGIParameters, TGIRequest
 from service.http.body_writer import BodyWriter, body_writer
 from service.http.sse import SERVER_SEND, EventStream, json_string, sse
 from service.http.state import ServiceState, service_state

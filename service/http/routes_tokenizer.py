@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
@@ -20,13 +21,26 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 
 from service.common.errors import validation_error
-from service.http.schemas import MAX_TEXT_CHARS, SimpleToken, Text, TokenizeRequest
+from service.common.schemas import Text
+from service.http.schemas import MAX_TEXT_CHARS, StrictRequest
 from service.http.state import ServiceState, service_state
 from weights.tokenizer import EOS_TEXT
 
 router = APIRouter(tags=["Tokenizer"])
 
 MAX_DETOKENIZE = 1_000_000  # token ids per /detokenize call
+
+
+class TokenizeRequest(StrictRequest):
+    inputs: Text = Field(..., min_length=1, max_length=MAX_TEXT_CHARS)
+    parameters: dict[str, Any] | None = Field(None, description="accepted for TGI compatibility, ignored")
+
+
+class SimpleToken(BaseModel):
+    id: int
+    text: str
+    start: int = Field(description="character offset of the token's text in `inputs`")
+    stop: int
 
 
 class VLLMTokenizeRequest(BaseModel):

@@ -12,8 +12,8 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from service.common.schemas import Text
+from service.engine.types import MAX_BAD_WORDS
 from service.http.schemas import (
-    MAX_BAD_WORDS,
     MAX_LIST,
     MAX_NGRAM,
     MAX_SEED,

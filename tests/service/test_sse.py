@@ -23,7 +23,7 @@ from service.http.routes_openai import Call
 from service.engine.types import TokenEvent
 from service.http.routes_chat import ChatCall
 from service.http.routes_tgi import TokenNumbering, stream_token
-from service.http.schemas import CompletionRequest
+from service.http.schemas_openai import CompletionRequest
 from service.http.schemas_chat import ChatCompletionRequest
 from service.http.sse import SERVER_SEND, EventStream, keepalive_until_first, sse
 from tests.service.conftest import settings_for
