@@ -1,6 +1,6 @@
 """The engine core's process: load the model, then step in this process's main thread.
 
-Started by service/http/client.py (multiprocessing, spawn). The loop, as vLLM V1's EngineCore:
+Started by service/http/core_process.py (multiprocessing, spawn). The loop, as vLLM V1's EngineCore:
 take every message waiting (blocking only while idle), run one step, send its CoreOutput.
 The HTTP process owns shutdown: SIGINT and SIGTERM are ignored here (a Ctrl-C or a container
 stop reaches the whole process group, and the HTTP side then drains us with a Shutdown message),
