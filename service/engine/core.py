@@ -142,7 +142,7 @@ class EngineCore:
             plan = scheduler.schedule(started, runner.exhausted() if previous is not None else [], previous is not None)
             results.done += [scheduler.finish(state) for state in plan.cancelled]
             prefill_tokens, cached_tokens = plan.prefill_tokens, plan.cached_tokens
-            if plan.host_paced:  # beams among them: one output token per step each
+            if plan.beams:  # one output token per step each beam
                 results.decode_output_tokens += sum(len(s.live) for s in plan.decode if s.beam is not None)
             runner.prepare(plan)
             deferred = self.overlap

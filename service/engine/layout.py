@@ -97,19 +97,17 @@ class StepLayout:
         completing = [(state, seq) for state in plan.completing for seq in state.live]
         sampled += completing
         verified = row - first
-        repeated = np.repeat(np.asarray(drafted_slots, dtype=np.int64), counts)  # [D]: each row's slot
         offsets = np.arange(verified) - np.repeat(np.cumsum(counts) - counts, counts)  # [D]: j of each row
         tail = [seq.slot for _, seq in completing]
-        all_slots = np.concatenate([np.asarray(slots, dtype=np.int64), repeated, np.asarray(tail, dtype=np.int64)])
+        all_slots = slots + [slot for slot, count in zip(drafted_slots, counts) for _ in range(count)] + tail
         host = np.empty((3, len(all_slots)), dtype=np.int64)  # one host→device copy: [3, B]
         host[0, :row] = np.arange(row)
         host[0, row:] = [row_of[slot] for slot in tail]
         host[1] = all_slots
-        host[2, :first] = batch.lengths(slots)
+        host[2] = batch.lengths(host[1])  # the undrafted and completing rows' counters (drafted: below)
         host[2, first:row] = np.repeat([len(seq.token_ids) + seq.pending for seq in drafted], counts) + offsets
-        host[2, row:] = batch.lengths(tail)
-        step_rows = self._rows(decoding + drafted, row_of, sampled, host, all_slots.tolist(), host[0].tolist(),
-                               drafted, from_device=True, batched=True)
+        step_rows = self._rows(decoding + drafted, row_of, sampled, host, all_slots, host[0].tolist(), drafted,
+                               from_device=True, batched=True)
         step_rows.undrafted = np.concatenate([np.arange(first), np.arange(row, len(all_slots))])
         return step_rows
 

@@ -92,7 +92,7 @@ class ModelRunner:
         """Queue a launched step's draw that waited for the step before it to be read (a
         constrained row's mask needs its last token: StepSampler.launch)."""
         with torch.inference_mode():
-            self.sampler.draw(launched, launched.awaiting)
+            self.sampler.draw(launched)
 
     def read(self, launched: LaunchedStep) -> np.ndarray:
         """The launched step's sampler rows on the host, once the device has them."""
@@ -120,9 +120,12 @@ class ModelRunner:
         """Logits [rows, V] in the layout of `rows`: decode rows, then prefill rows."""
         # The two forwards touch disjoint cache entries (padded rows write only positions no
         # sequence caches), so their order is free.
-        decoded = self._decode(rows) if rows.decoding else None
-        prefilled = self._prefill(plan.prefill) if plan.prefill else None
-        parts = [part for part in (decoded, prefilled) if part is not None]
+        if rows.from_device and rows.drafted:  # its parts joined once, with the prompts' below
+            parts = self._decode_drafted(rows)
+        else:
+            parts = [self._decode(rows)] if rows.decoding else []
+        if plan.prefill:
+            parts.append(self._prefill(plan.prefill))
         if not parts:  # every sequence of the plan ended when the step before it was read (drafts)
             return torch.empty(0, self.model.config.vocab_size, device=self.device)
         return torch.cat(parts) if len(parts) > 1 else parts[0]
@@ -158,12 +161,7 @@ class ModelRunner:
         """Logits [B + drafted tokens, V]: one row per sequence (in slot order), 1 + k for one with
         a draft."""
         seqs, drafted = step_rows.decoding, step_rows.drafted
-        if step_rows.from_device and drafted:  # a batch, its sequences verifying drafts after the others
-            undrafted = seqs[: len(seqs) - len(drafted)]
-            parts = [self._decode_batch(step_rows, self._lora(undrafted))] if undrafted else []
-            parts.append(self._verify(drafted, self._lora(drafted)))
-            return torch.cat(parts) if len(parts) > 1 else parts[0]
-        lora = self._lora(seqs)
+        lora = self.adapters.rows(s.adapter for s in seqs) if self.adapters.loaded else None
         if step_rows.from_device:
             return self._decode_batch(step_rows, lora)
         slots = [s.slot for s in seqs]
@@ -185,6 +183,15 @@ class ModelRunner:
         rows = self.cache.batch(slots, slot_ids)
         out = self.model(input_ids[:, None], positions[:, None], self.cache, rows, kv_length=max(lengths), lora=lora)
         return out.logits[:, -1]  # [B, V]
+
+    def _decode_drafted(self, step_rows: StepRows) -> list[torch.Tensor]:
+        """A batch's decode with sequences verifying drafts: the undrafted rows' logits [U, V] as a
+        step without drafts computes them, then the drafted sequences' [sum of 1 + k, V]."""
+        seqs, drafted = step_rows.decoding, step_rows.drafted
+        undrafted = seqs[: len(seqs) - len(drafted)]
+        parts = [self._decode_batch(step_rows, self._lora(undrafted))] if undrafted else []
+        parts.append(self._verify(drafted, self._lora(drafted)))
+        return parts
 
     def _lora(self, seqs: list[Sequence]) -> LoraRows | None:
         return self.adapters.rows(s.adapter for s in seqs) if self.adapters.loaded else None

@@ -158,7 +158,7 @@ class StepReader:
             state, seq = sampled[i]
             if i in skip or seq.finish_reason is not None:
                 continue
-            token = int(tokens[i])
+            token = tokens[i].item()
             if not seq.matcher.consume_token(token):
                 # An error, never a grammar that ended: llguidance's stopped state includes errors.
                 self.fail(state, grammar_failed(first_line(seq.matcher.get_error()) or f"token {token} was not allowed"),

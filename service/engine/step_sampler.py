@@ -30,30 +30,26 @@ class StepSampler:
 
     def launch(
         self, logits: torch.Tensor, rows: StepRows, active: list[RequestState], completing: list[RequestState],
-        deferred: bool = False,
+        deferred: bool = False, waited: LaunchedStep | None = None,
     ) -> LaunchedStep:
         """Queue the sampling of every sampled row and the copy of its results to the host.
         `deferred`: the tokens will be read after the next step is launched (no drafts then).
 
         A constrained row whose last token is still in flight (the core's overlap) needs that token
         in its matcher before its mask: the draw then waits (`awaiting`) until the core has read
-        the step before, and `draw` queues it. The forwards are queued meanwhile, so the masks are
-        computed while the device runs them, and the row never sits a step out."""
-        launched = LaunchedStep(rows, active, completing, None, 0, None, deferred)
+        the step before, and `draw` queues it (`waited`: that step). The forwards are queued
+        meanwhile, so the masks are computed while the device runs them, and the row never sits a
+        step out."""
+        launched = waited or LaunchedStep(rows, active, completing, None, 0, None, deferred)
         if not rows.sampled:
             return launched
-        if self.injection is not None:  # keyed by each row's draw, known now
-            launched.injected = [(state.params.seed, len(seq.token_ids) + seq.pending - seq.prompt_length)
-                                 for state, seq in rows.sampled]
-        if rows.facts.features.grammar and any(seq.pending for seq in constrained_sequences(rows)):
-            launched.awaiting = logits
-        else:
-            self.draw(launched, logits)
-        return launched
-
-    def draw(self, launched: LaunchedStep, logits: torch.Tensor) -> None:
-        """Queue the draw of a launched step's rows over `logits` and the copy of what it drew."""
-        rows = launched.rows
+        if waited is None:
+            if self.injection is not None:  # keyed by each row's draw, known now
+                launched.injected = [(state.params.seed, len(seq.token_ids) + seq.pending - seq.prompt_length)
+                                     for state, seq in rows.sampled]
+            if rows.facts.features.grammar and any(seq.pending for seq in constrained_sequences(rows)):
+                launched.awaiting = logits
+                return launched
         launched.awaiting = None
         slots, read = rows.sample_slots, rows.read
         features = rows.facts.features
@@ -104,6 +100,11 @@ class StepSampler:
         if launched.sampled.device != logits.device and logits.device.type == "cuda":
             launched.ready = torch.cuda.Event()
             launched.ready.record()
+        return launched
+
+    def draw(self, launched: LaunchedStep) -> None:
+        """Queue the draw of a launched step that waited for the step before it to be read."""
+        self.launch(launched.awaiting, launched.rows, launched.active, launched.completing, launched.deferred, launched)
 
     def _alternatives(self, step_logits: torch.Tensor, wanted: list[int], n: int) -> torch.Tensor:
         """[B, 2n]: the n most likely ids and their log-probs for the rows that asked (`wanted`: each
