@@ -57,9 +57,8 @@ class StepLayout:
         of a step without drafts, less theirs, and cost nothing more."""
         batch = self.batch
         drafted = plan.drafted if self.speculative else []
-        # plan.decode's undrafted sequences' slots
-        slots = batch.decoding(self.cache.in_use, plan.sitting_out + [seq.slot for seq in drafted] if drafted else
-                               plan.sitting_out)
+        # plan.decode's sequences' slots, those verifying a draft left for `_batch_drafted`
+        slots = batch.decoding(self.cache.in_use, plan.sitting_out + [seq.slot for seq in drafted])
         decoding = list(map(batch.seq.__getitem__, slots))
         sampled = list(zip(map(batch.state.__getitem__, slots), decoding))
         row_of = dict(zip(slots, range(len(slots))))

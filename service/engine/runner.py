@@ -160,12 +160,12 @@ class ModelRunner:
     def _decode(self, step_rows: StepRows) -> torch.Tensor:
         """Logits [B + drafted tokens, V]: one row per sequence (in slot order), 1 + k for one with
         a draft."""
-        seqs, drafted = step_rows.decoding, step_rows.drafted
+        seqs = step_rows.decoding
         lora = self.adapters.rows(s.adapter for s in seqs) if self.adapters.loaded else None
         if step_rows.from_device:
             return self._decode_batch(step_rows, lora)
         slots = [s.slot for s in seqs]
-        if drafted:  # row by row, every sequence verifying its draft (or none)
+        if step_rows.drafted:  # row by row, every sequence verifying its draft (or none)
             return self._verify(seqs, lora)
         lengths = [len(s.token_ids) + s.pending for s in seqs]
         # A sequence whose last token the host has not read yet (overlap) feeds the one its
