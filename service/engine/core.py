@@ -10,8 +10,9 @@ vLLM v1's EngineCore.step:
   length), finishes and fails requests: one StepResults up, sent as one CoreStep.
 
 With overlap (CUDA) step n + 1 is executed before step n's tokens are read, whatever runs: a
-request that needs its last token on the host (a grammar's mask, a draft) sits out the steps
-launched before that token was read. The scheduler and the
+request that needs its last token on the host to plan its step (a draft, a beam) sits out the
+steps launched before that token was read; a grammar's rows do not: their step's forwards are
+queued, step n is read, and then their masks are computed and the step's draw queued. The scheduler and the
 runner never call each other: this loop passes the plan down and the tokens up. Beam search still
 reads its logits on the host between execute and update (the step's device work is waited for).
 
@@ -141,7 +142,7 @@ class EngineCore:
             plan = scheduler.schedule(started, runner.exhausted() if previous is not None else [], previous is not None)
             results.done += [scheduler.finish(state) for state in plan.cancelled]
             prefill_tokens, cached_tokens = plan.prefill_tokens, plan.cached_tokens
-            if plan.host_paced:  # beams among them: one output token per step each
+            if plan.beams:  # one output token per step each beam
                 results.decode_output_tokens += sum(len(s.live) for s in plan.decode if s.beam is not None)
             runner.prepare(plan)
             deferred = self.overlap
@@ -156,6 +157,8 @@ class EngineCore:
                 batch_size, decode_tokens = len(launched.rows.row_of), len(launched.rows.decoding)
             if previous is not None:
                 self._update(previous, results)
+            if launched is not None and launched.awaiting is not None:  # a grammar's masks needed those tokens
+                runner.draw(launched)
             if deferred:
                 self._launched = launched
             elif launched is not None:

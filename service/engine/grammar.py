@@ -210,28 +210,34 @@ class Grammars:
         fail. `ahead[b]`: tokens row b's matcher takes before its mask (a draft's row j, verified
         in the same step, sees the draft's first j tokens), rolled back after it."""
         constrained = [row for row, matcher in enumerate(matchers) if matcher is not None]
-        bitmask = torch.full((len(constrained), bitmask_words(self.vocab_size)), -1, dtype=torch.int32)
-        row_bytes = bitmask.stride(0) * bitmask.element_size()
+        words = bitmask_words(self.vocab_size)
+        # A numpy bitmask: each row's address is arithmetic (no tensor made per row).
+        bitmask = np.full((len(constrained), words), -1, dtype=np.int32)
+        address, row_bytes = bitmask.ctypes.data, bitmask.strides[0]
         errors: dict[int, str] = {}
         for at, row in enumerate(constrained):
             matcher = matchers[row]
-            tokens = ahead[row] if ahead is not None else []
+            tokens = ahead[row] if ahead is not None else None
             try:
                 if tokens:
                     matcher.consume_tokens(tokens)
                 # llguidance writes the row's words in place (the bitmask is ours, contiguous).
-                matcher.unsafe_compute_mask_ptr(bitmask[at].data_ptr(), row_bytes)
+                matcher.unsafe_compute_mask_ptr(address + at * row_bytes, row_bytes)
                 if tokens:
                     matcher.rollback(len(tokens))
+                if matcher.is_error():
+                    errors[row] = first_line(matcher.get_error())
             except Exception as exc:  # llguidance raises only on misuse; still this row's alone
                 errors[row] = f"{type(exc).__name__}: {exc}"
-            if row not in errors and matcher.is_error():
-                errors[row] = first_line(matcher.get_error())
             if row in errors:
                 bitmask[at] = -1
+        if device.type == "cpu":  # numpy unpacks the bits in one call
+            allowed = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")[:, : self.vocab_size]  # [k, V]
+            return constrained, torch.from_numpy(allowed == 0), errors
+        # Elsewhere the packed words cross (32x fewer bytes) and are unpacked on the device.
         bits = torch.arange(32, dtype=torch.int32, device=device)
-        words = to_device(bitmask, device, torch.int32)  # pinned: queued, the host goes on
-        allowed = ((words[:, :, None] >> bits) & 1).reshape(len(constrained), -1)[:, : self.vocab_size]  # [k, V]
+        packed = to_device(bitmask, device, torch.int32)  # pinned: queued, the host goes on
+        allowed = ((packed[:, :, None] >> bits) & 1).reshape(len(constrained), -1)[:, : self.vocab_size]  # [k, V]
         return constrained, allowed == 0, errors
 
 

@@ -55,6 +55,10 @@ class InputBatch:
         self.ngram = [0] * max_slots
         self.top_logprobs = [0] * max_slots
         self.stop_ids = np.full((max_slots, MAX_STOP_IDS), -1, dtype=np.int64)  # [slots, K]: -1 pads
+        # PER_ROW_BIT of `bits` as an array, and whether a grammar constrains it: a step finds its
+        # few such rows without Python per row.
+        self.per_row = np.zeros(max_slots, dtype=bool)
+        self.constrained = np.zeros(max_slots, dtype=bool)
         self._made: dict[tuple[int, int, int], RowFeatures] = {}  # few distinct ones: made once
 
     def add(self, state: RequestState, seq: Sequence) -> None:
@@ -66,7 +70,7 @@ class InputBatch:
             self.controls.write(slot, params, prompt)
         bits = sum(1 << bit for bit, used in enumerate(features_of(params)) if used)
         stops = params.stop_token_ids
-        if seq.drafter is not None or seq.matcher is not None or len(stops) > MAX_STOP_IDS:
+        if seq.drafter is not None or len(stops) > MAX_STOP_IDS:
             bits |= PER_ROW_BIT
         if params.top_logprobs > 0:
             bits |= ALTERNATIVES_BIT
@@ -82,6 +86,7 @@ class InputBatch:
         self.request_id[slot] = state.request.request_id
         self.index[slot] = seq.index
         self.bits[slot], self.ngram[slot], self.top_logprobs[slot] = bits, params.no_repeat_ngram_size, params.top_logprobs
+        self.per_row[slot], self.constrained[slot] = bool(bits & PER_ROW_BIT), seq.matcher is not None
 
     def move(self, src: int, dst: int) -> None:
         self.params.move(src, dst)
@@ -89,6 +94,7 @@ class InputBatch:
         self.last_tokens[dst] = self.last_tokens[src]
         self.table[dst] = self.table[src]
         self.stop_ids[dst] = self.stop_ids[src]
+        self.per_row[dst], self.constrained[dst] = self.per_row[src], self.constrained[src]
         for column in (self.seq, self.state, self.request_id, self.index, self.bits, self.ngram, self.top_logprobs):
             column[dst] = column[src]
 
@@ -145,10 +151,10 @@ class InputBatch:
         if bits & STOP_IDS_BIT:
             stop_ids = self.stop_ids[pick].copy() if in_slot_order else self.stop_ids[pick]
         wanted = list(map(self.top_logprobs.__getitem__, slots)) if bits & ALTERNATIVES_BIT else None
-        # The rows read with Python of their own (a grammar, a drafter), the others as a batch.
-        own = [i for i, row_bits in enumerate(map(self.bits.__getitem__, slots)) if row_bits & PER_ROW_BIT] \
-            if bits & PER_ROW_BIT else None
-        return RowFacts(features, request_ids, indexes, slot_array, counters, table, stop_ids, wanted, own)
+        # The rows read with Python of their own (a drafter), the others as a batch; a grammar's.
+        own = np.flatnonzero(self.per_row[pick]).tolist() if bits & PER_ROW_BIT else None
+        constrained = np.flatnonzero(self.constrained[pick]).tolist() if features.grammar else None
+        return RowFacts(features, request_ids, indexes, slot_array, counters, table, stop_ids, wanted, own, constrained)
 
     def gather_features(self, slots: list[int], slot_array: np.ndarray, counters: np.ndarray) -> RowFacts:
         """The same for a step read row by row: the rows' features alone."""

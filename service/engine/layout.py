@@ -3,10 +3,11 @@ sampler draws for, and the index vectors the device needs, all decided before an
 queued (on CUDA a host→device copy waits for queued work, so making them after the forwards were
 launched would stall the host until they finish).
 
-Two ways to the same layout: from the input batch (service/engine/input_batch.py) when every
-row draws one token from the sampler and enough run for array operations to pay (grammars and
-drafters without a draft this step among them); row by row from the sequences otherwise (a beam
-search, a step verifying drafts, few rows). This is the one place that chooses.
+Two ways to the same layout: from the input batch (service/engine/input_batch.py) when enough run
+for array operations to pay (grammars, drafters and the sequences verifying a draft among them:
+those sequences' 1 + k rows come after the others, which are laid out as in a step without
+drafts); row by row from the sequences otherwise (a beam search, few rows). This is the one place
+that chooses.
 """
 
 from __future__ import annotations
@@ -43,21 +44,27 @@ class StepLayout:
         # those that do took the next free slots, sampled row b is logits row b and slot b for
         # every b: the read path without gathers. (A prompt admitted into a slot a finished
         # sequence left inside the batch, the usual case under heavy churn, still gathers.)
-        # A beam chooses its own tokens and a draft verifies 1 + k positions: rows of their own. A
-        # grammar's rows (and a drafter's without a draft this step) draw like any other.
-        if plan.beams or plan.drafted or plan.running < BATCHED_ROWS:
+        # A beam chooses its own tokens: rows of its own. A grammar's rows draw like any other; a
+        # draft's 1 + k rows follow the other decoding rows (`_batch`).
+        if plan.beams or plan.running < BATCHED_ROWS:
             return self._each(plan)
         return self._batch(plan)
 
     def _batch(self, plan: StepPlan) -> StepRows:
         """Every row draws one token from the sampler: who holds each slot and its length come from
-        the input batch, and the decode feeds the sampler's last tokens."""
+        the input batch, and the decode feeds the sampler's last tokens. The sequences verifying a
+        draft (`plan.drafted`) come after the others, 1 + k rows each: the others' rows are those
+        of a step without drafts, less theirs, and cost nothing more."""
         batch = self.batch
-        slots = batch.decoding(self.cache.in_use, plan.sitting_out)  # plan.decode's sequences' slots
+        drafted = plan.drafted if self.speculative else []
+        # plan.decode's sequences' slots, those verifying a draft left for `_batch_drafted`
+        slots = batch.decoding(self.cache.in_use, plan.sitting_out + [seq.slot for seq in drafted])
         decoding = list(map(batch.seq.__getitem__, slots))
         sampled = list(zip(map(batch.state.__getitem__, slots), decoding))
         row_of = dict(zip(slots, range(len(slots))))
         rows = len(slots)
+        if drafted:
+            return self._batch_drafted(plan, drafted, slots, decoding, sampled, row_of)
         for index, chunk in enumerate(plan.prefill):
             if chunk.completes:
                 row_of.update((seq.slot, rows + index) for seq in chunk.state.sequences)
@@ -70,19 +77,56 @@ class StepLayout:
         host[0], host[1], host[2] = logit_rows, slots, batch.lengths(slots)
         return self._rows(decoding, row_of, sampled, host, slots, logit_rows, drafted=[], from_device=True, batched=True)
 
+    def _batch_drafted(self, plan: StepPlan, drafted: list[Sequence], slots: list[int], decoding: list[Sequence],
+                       sampled: list, row_of: dict[int, int]) -> StepRows:
+        """`_batch`'s layout with the sequences verifying a draft: the undrafted decoding rows
+        (`slots`, ...) first, then each drafted sequence's 1 + k rows (row j draws the token at
+        its length + j: its seed's draw there), then the completing prompts'."""
+        batch, first = self.batch, len(slots)
+        counts = [1 + len(seq.draft) for seq in drafted]
+        drafted_slots = [seq.slot for seq in drafted]
+        row = first
+        for slot, count in zip(drafted_slots, counts):
+            row_of[slot] = row
+            row += count
+        for index, chunk in enumerate(plan.prefill):
+            if chunk.completes:
+                row_of.update((seq.slot, row + index) for seq in chunk.state.sequences)
+        sampled += [(batch.state[seq.slot], seq) for seq, count in zip(drafted, counts) for _ in range(count)]
+        completing = [(state, seq) for state in plan.completing for seq in state.live]
+        sampled += completing
+        verified = row - first
+        offsets = np.arange(verified) - np.repeat(np.cumsum(counts) - counts, counts)  # [D]: j of each row
+        tail = [seq.slot for _, seq in completing]
+        all_slots = slots + [slot for slot, count in zip(drafted_slots, counts) for _ in range(count)] + tail
+        host = np.empty((3, len(all_slots)), dtype=np.int64)  # one host→device copy: [3, B]
+        host[0, :row] = np.arange(row)
+        host[0, row:] = [row_of[slot] for slot in tail]
+        host[1] = all_slots
+        host[2] = batch.lengths(host[1])  # the undrafted and completing rows' counters (drafted: below)
+        host[2, first:row] = np.repeat([len(seq.token_ids) + seq.pending for seq in drafted], counts) + offsets
+        step_rows = self._rows(decoding + drafted, row_of, sampled, host, all_slots, host[0].tolist(), drafted,
+                               from_device=True, batched=True)
+        step_rows.undrafted = np.concatenate([np.arange(first), np.arange(row, len(all_slots))])
+        return step_rows
+
     def _rows(self, decoding: list[Sequence], row_of: dict[int, int], sampled: list, host: np.ndarray, slots: list[int],
               logit_rows: list[int], drafted: list[Sequence], from_device: bool, batched: bool) -> StepRows:
         """`host`: [3, B] the sampled rows' logits rows, slots and counters; `batched`: its tokens
         may be read as a batch (the rows' table entries are gathered for it)."""
         sample_rows, sample_slots, sample_counters = to_device(torch.from_numpy(host), self.device)  # [B] each
-        in_order = logit_rows == slots == list(range(len(slots)))
+        ordered = list(range(len(slots)))
+        logits_in_order = logit_rows == ordered  # slots aside: those a host-paced row sat out leave holes
+        in_order = logits_in_order and slots == ordered
         if batched:
             facts = self.batch.gather(slots, host[1], host[2], in_order)
         else:
             facts = self.batch.gather_features(slots, host[1], host[2])
         read = slice(0, len(slots)) if in_order else sample_slots
-        return StepRows(decoding, row_of, sampled, sample_rows, sample_slots, sample_counters, facts, in_order, drafted,
+        rows = StepRows(decoding, row_of, sampled, sample_rows, sample_slots, sample_counters, facts, in_order, drafted,
                         from_device, read)
+        rows.logits_in_order = logits_in_order
+        return rows
 
     def _each(self, plan: StepPlan) -> StepRows:
         """The layout row by row, from the sequences themselves."""

@@ -65,8 +65,8 @@ class RequestState:
     # grown chunk by chunk; the request decodes once it reaches the prompt's length.
     prefilled: int = 0
     reused: int = 0  # of which taken from the prefix cache
-    # Each step needs the host's view of its last tokens (beams, drafts, a grammar's matcher): it
-    # sits out a step launched before its last token was read (the core's overlap).
+    # Each step's plan needs the host's view of its last tokens (beams, drafts): it sits out a step
+    # launched before its last token was read (the core's overlap).
     host_paced: bool = False
     reported: bool = False  # its RequestDone was sent: nothing more is said about it
     adapter: int = BASE  # its LoRA adapter's index (set at submission, from the request's name)
@@ -141,9 +141,9 @@ class StepPlan:
     # Slots freed after non-finite values (faults.py), to be zeroed before anything else runs:
     # a later sequence's masked positions still meet them, and 0 * NaN is NaN.
     scrub: list[int] = field(default_factory=list)
-    drafted: bool = False  # a decoding sequence verifies a draft (speculation.py): read at once
+    drafted: list[Sequence] = field(default_factory=list)  # the decoding sequences verifying a draft (speculation.py)
     running: int = 0  # requests running after admission
-    # Of which some need each token on the host before their next step (beams, drafts, grammars).
+    # Of which some need each token on the host before their next step (beams, drafts).
     host_paced: int = 0
     beams: int = 0  # of which beam searches
     sitting_out: list[int] = field(default_factory=list)  # slots of host-paced sequences not stepped

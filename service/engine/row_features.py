@@ -77,7 +77,7 @@ class RowFeatures:
 
 FEATURES = len(RowFeatures.__dataclass_fields__) - 3  # the flags, before max_ngram, top_logprobs, controls
 HISTORY_BIT = 1 << list(RowFeatures.__dataclass_fields__).index("history")
-PER_ROW_BIT = 1 << FEATURES  # the row needs Python of its own when its token is read (a draft, a grammar)
+PER_ROW_BIT = 1 << FEATURES  # the row needs Python of its own when its token is read (a drafter)
 STOP_IDS_BIT = 1 << (FEATURES + 1)  # the row ends at stop token ids (read as an array operation)
 ALTERNATIVES_BIT = 1 << (FEATURES + 2)  # the row asks for its alternatives (top log-probs)
 # Stop token ids a row holds in the input batch's table (the HTTP schemas' bound); a request with

@@ -6,7 +6,8 @@ decode: static shapes and CUDA graphs where asked) and the sampler.
 - `prepare(plan)`: slots to zero, packing moves and prefix copies in the cache, and the plan's
   admitted sequences written into the input batch (on their slots after the moves);
 - `execute(plan)`: rows laid out, the forwards and the sampling queued, and the one device→host
-  copy of what was drawn (read later with `read`: the core's overlap);
+  copy of what was drawn (read later with `read`: the core's overlap); where a grammar's mask
+  waits for the step before to be read, the sampling is queued by `draw` once it is;
 - `after_read(launched)`: what only the read tokens tell the batch (drafted sequences' lengths).
 
 The runner never calls the scheduler; it writes only what its forwards computed onto the plan's
@@ -20,6 +21,7 @@ import torch
 
 from model.gpt2 import GPT2
 from model.kv_cache import KVCache, SlotBatch
+from model.lora import LoraRows
 from model.transfer import to_device
 from service.engine.adapters import ServedAdapters
 from service.engine.faults import NonfiniteInjection
@@ -30,7 +32,7 @@ from service.engine.input_batch import InputBatch
 from service.engine.layout import StepLayout
 from service.engine.ngram_drafter import NgramSettings
 from service.engine.prompt_scores import add_prompt_scores
-from service.engine.requests import PrefillChunk, RequestState, StepPlan
+from service.engine.requests import PrefillChunk, RequestState, Sequence, StepPlan
 from service.engine.step_data import LaunchedStep, StepRows
 from service.engine.step_sampler import StepSampler
 
@@ -86,6 +88,12 @@ class ModelRunner:
         self.batch.drew(rows.facts.slots, rows.in_slot_order, repeated=bool(rows.drafted))
         return launched
 
+    def draw(self, launched: LaunchedStep) -> None:
+        """Queue a launched step's draw that waited for the step before it to be read (a
+        constrained row's mask needs its last token: StepSampler.launch)."""
+        with torch.inference_mode():
+            self.sampler.draw(launched)
+
     def read(self, launched: LaunchedStep) -> np.ndarray:
         """The launched step's sampler rows on the host, once the device has them."""
         return self.sampler.read(launched)
@@ -112,9 +120,12 @@ class ModelRunner:
         """Logits [rows, V] in the layout of `rows`: decode rows, then prefill rows."""
         # The two forwards touch disjoint cache entries (padded rows write only positions no
         # sequence caches), so their order is free.
-        decoded = self._decode(rows) if rows.decoding else None
-        prefilled = self._prefill(plan.prefill) if plan.prefill else None
-        parts = [part for part in (decoded, prefilled) if part is not None]
+        if rows.from_device and rows.drafted:  # its parts joined once, with the prompts' below
+            parts = self._decode_drafted(rows)
+        else:
+            parts = [self._decode(rows)] if rows.decoding else []
+        if plan.prefill:
+            parts.append(self._prefill(plan.prefill))
         if not parts:  # every sequence of the plan ended when the step before it was read (drafts)
             return torch.empty(0, self.model.config.vocab_size, device=self.device)
         return torch.cat(parts) if len(parts) > 1 else parts[0]
@@ -154,15 +165,8 @@ class ModelRunner:
         if step_rows.from_device:
             return self._decode_batch(step_rows, lora)
         slots = [s.slot for s in seqs]
-        if step_rows.drafted:  # verification: 1 + k positions per row, eagerly
-            # A row whose last token is still in flight (overlap; never one with a draft: a
-            # drafter sits such steps out) feeds the one its slot's last sampling left.
-            starts = [len(s.token_ids) + s.pending - 1 for s in seqs]
-            pieces = [[s.token_ids[-1]] + s.draft for s in seqs]
-            # Each position as decoding computes it, so a draft's length (which the batch
-            # prices) never changes a token's bits.
-            return forward_from(self.model, self.cache, slots, starts, pieces, every_position=True, one_query_per_call=True,
-                                lora=lora, ahead=[s.pending > 0 for s in seqs], last_tokens=self.batch.last_tokens).logits
+        if step_rows.drafted:  # row by row, every sequence verifying its draft (or none)
+            return self._verify(seqs, lora)
         lengths = [len(s.token_ids) + s.pending for s in seqs]
         # A sequence whose last token the host has not read yet (overlap) feeds the one its
         # slot's last sampling left on the device; the host's token_ids[-1] is then stale.
@@ -180,11 +184,37 @@ class ModelRunner:
         out = self.model(input_ids[:, None], positions[:, None], self.cache, rows, kv_length=max(lengths), lora=lora)
         return out.logits[:, -1]  # [B, V]
 
-    def _decode_batch(self, step_rows: StepRows, lora) -> torch.Tensor:
+    def _decode_drafted(self, step_rows: StepRows) -> list[torch.Tensor]:
+        """A batch's decode with sequences verifying drafts: the undrafted rows' logits [U, V] as a
+        step without drafts computes them, then the drafted sequences' [sum of 1 + k, V]."""
+        seqs, drafted = step_rows.decoding, step_rows.drafted
+        undrafted = seqs[: len(seqs) - len(drafted)]
+        parts = [self._decode_batch(step_rows, self._lora(undrafted))] if undrafted else []
+        parts.append(self._verify(drafted, self._lora(drafted)))
+        return parts
+
+    def _lora(self, seqs: list[Sequence]) -> LoraRows | None:
+        return self.adapters.rows(s.adapter for s in seqs) if self.adapters.loaded else None
+
+    def _verify(self, seqs: list[Sequence], lora: LoraRows | None) -> torch.Tensor:
+        """Logits [sum of 1 + k, V]: each sequence's last token and draft (k tokens, maybe none),
+        at every position."""
+        # A row whose last token is still in flight (overlap; never one with a draft: a drafter
+        # sits such steps out) feeds the one its slot's last sampling left.
+        starts = [len(s.token_ids) + s.pending - 1 for s in seqs]
+        pieces = [[s.token_ids[-1]] + s.draft for s in seqs]
+        # Each position as decoding computes it, so a draft's length (which the batch prices) and
+        # the rows beside it never change a token's bits.
+        return forward_from(self.model, self.cache, [s.slot for s in seqs], starts, pieces, every_position=True,
+                            one_query_per_call=True, lora=lora, ahead=[s.pending > 0 for s in seqs],
+                            last_tokens=self.batch.last_tokens).logits
+
+    def _decode_batch(self, step_rows: StepRows, lora: LoraRows | None) -> torch.Tensor:
         """Every decoding row feeds its slot's last sampled token, left on the device by the sampler
         (`last_tokens`), at the position before its counter: the layout's index vectors, already
-        on the device, say which (no Python per row, no other copy)."""
-        count = len(step_rows.decoding)  # the first rows sampled
+        on the device, say which (no Python per row, no other copy). The sequences verifying a
+        draft, after them, are not these rows."""
+        count = len(step_rows.decoding) - len(step_rows.drafted)  # the first rows sampled
         slots, counters = step_rows.facts.slots[:count], step_rows.facts.counters[:count]
         last_tokens = self.batch.last_tokens
         if self.static_decode is not None and lora is None:  # a graph holds no adapter: eager with one

@@ -187,14 +187,17 @@ class Scheduler:
         if exhausted:
             done = {id(state) for state in exhausted}
             decode = [state for state in decode if id(state) not in done]
-        sitting_out = []
-        if in_flight and self.host_paced_running:
-            # Its next step needs its last token on the host (a grammar's mask, a draft): a request
+        sitting_out, paced = [], []
+        if self.host_paced_running:
+            paced = [state for state in decode if state.host_paced]
+        if in_flight and paced:
+            # Its next step needs its last token on the host (a draft, a beam): a request
             # whose token is in flight sits this step out, and overlap stays on for the others.
-            sitting_out = [state for state in decode if state.host_paced and any(seq.pending for seq in state.live)]
+            sitting_out = [state for state in paced if any(seq.pending for seq in state.live)]
             if sitting_out:
                 out = {id(state) for state in sitting_out}
                 decode = [state for state in decode if id(state) not in out]
+                paced = [state for state in paced if id(state) not in out]
         pending: list[tuple[Sequence, Sequence, int]] = []  # (source, destination, length)
         admitted = self._admit(now, budget, chunks, pending) if waiting else []
         moves = self._pack()
@@ -212,8 +215,10 @@ class Scheduler:
                         sum(chunk.end - chunk.start for chunk in chunks), sum(s.reused for s in admitted), admitted,
                         scrub, running=len(self.running), host_paced=self.host_paced_running, beams=self.beams_running,
                         sitting_out=[seq.slot for state in sitting_out for seq in state.live])
-        if self.speculative is not None and self.host_paced_running:  # drafters are host-paced
-            plan.drafted = propose(decode, self.speculative, plan.prefill_tokens)
+        if self.speculative is not None and paced:  # drafters are host-paced
+            # The batch a draft token is priced against: every running sequence (held slots: a
+            # count, not a pass over the rows), those sitting this step out too (they run the next).
+            plan.drafted = propose(paced, self.speculative, self.cache.slots_used + plan.prefill_tokens)
         return plan
 
     def _admit(
@@ -323,7 +328,9 @@ class Scheduler:
             matcher = self.grammars.matcher(params.grammar) if params.grammar is not None else None
             sequences.append(Sequence(index, slot, list(prompt), len(prompt), drafter=new_drafter(self.speculative, params),
                                       matcher=matcher, adapter=state.adapter, seed=seed))
-        state.host_paced = state.beam is not None or any(s.drafter is not None or s.matcher is not None for s in sequences)
+        # A grammar's matcher needs its last token only to draw (StepSampler.launch waits for it),
+        # not to plan the step: a constrained request is not host-paced.
+        state.host_paced = state.beam is not None or any(s.drafter is not None for s in sequences)
         return sequences
 
     def _grammar_ready(self, state: RequestState) -> bool:

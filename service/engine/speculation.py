@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from service.engine.draft_policy import acceptance_threshold, draft_length
 from service.engine.ngram_drafter import NgramIndex, NgramSettings
-from service.engine.requests import RequestState
+from service.engine.requests import RequestState, Sequence
 from service.engine.types import SamplingParams
 
 
@@ -42,16 +42,16 @@ def new_drafter(settings: NgramSettings | None, params: SamplingParams) -> Ngram
     return NgramIndex(settings) if settings is not None and speculates(params) else None
 
 
-def propose(states: list[RequestState], settings: NgramSettings, prefill_tokens: int) -> bool:
-    """Give each decoding sequence this step's draft (empty where it has none or none pays);
-    whether any has one.
+def propose(states: list[RequestState], settings: NgramSettings, rows: int) -> list[Sequence]:
+    """Give each sequence of `states` (the decoding requests that may draft: the scheduler passes
+    the host-paced ones, so no Python runs over the others) this step's draft (empty where it has
+    none or none pays); the sequences with one.
 
-    The step's rows before drafts, what a draft token is priced against: one per decoding
+    `rows`: the step's rows before drafts, what a draft token is priced against: one per running
     sequence and one per prompt token prefilled beside them.
     """
-    rows = sum(len(state.live) for state in states) + prefill_tokens
     threshold = acceptance_threshold(rows, settings.weight_pass_rows)
-    drafted = False
+    drafted = []
     for state in states:
         for seq in state.live:
             if seq.drafter is None:
@@ -62,7 +62,8 @@ def propose(states: list[RequestState], settings: NgramSettings, prefill_tokens:
             seq.draft = seq.drafter.draft(seq.token_ids, most) if most > 0 else []
             if seq.draft and seq.matcher is not None:  # only what the grammar allows is worth a row
                 seq.draft = seq.draft[: seq.matcher.validate_tokens(seq.draft)]
-            drafted = drafted or bool(seq.draft)
+            if seq.draft:
+                drafted.append(seq)
     return drafted
 
 

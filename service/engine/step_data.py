@@ -42,6 +42,7 @@ class RowFacts:
     stop_ids: np.ndarray | None = None
     wanted: list[int] | None = None
     own: list[int] | None = None  # the rows of a batch read with Python of their own, when any
+    constrained: list[int] | None = None  # the rows of a batch a grammar constrains, when any
 
 
 @dataclass
@@ -72,8 +73,11 @@ class StepRows:
     # What selects the sampled rows of a per-slot table: a slice of the first B when in slot order,
     # else sample_slots.
     read: torch.Tensor | slice | None = None
+    # Sampled row b is logits row b for every b, whatever their slots (a step's decode rows always
+    # are: the logits need no gather).
+    logits_in_order: bool = False
     # In a step verifying drafts: the sampled rows of the sequences without one (one row each).
-    undrafted: list[int] = field(default_factory=list)
+    undrafted: list[int] | np.ndarray = field(default_factory=list)
 
 
 
@@ -103,6 +107,11 @@ class LaunchedStep:
     failed: list[tuple[RequestState, RowFault]] = field(default_factory=list)
     # The step's logits [rows, V], kept only while a host-paced request runs (beams read theirs).
     logits: torch.Tensor | None = None
+    # Logits whose draw waits for the step before to be read (a constrained row's last token is in
+    # flight: StepSampler.launch); None once drawn.
+    awaiting: torch.Tensor | None = None
+    # Chaos tests only: each row's (seed, draw) for the non-finite injection, taken at launch.
+    injected: list[tuple[int | None, int]] | None = None
 
 
 def alternatives(row: list[float], n: int, wanted: int) -> TopLogprobs | None:

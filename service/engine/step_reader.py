@@ -2,13 +2,15 @@
 a grammar's end and length checked, drafts judged, ended sequences' slots freed, and the step's
 tokens collected (as columns, StepTokens) for the HTTP side.
 
-A step laid out from the slot table whose rows need no Python of their own is read as a batch:
-its stops are array comparisons against the rows' table entries gathered at launch.
+A step laid out from the slot table is read as a batch: its stops are array comparisons against
+the rows' table entries gathered at launch (a grammar's rows add their matcher's step); a
+drafter's rows are read on their own beside it (a draft's 1 + k rows together).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Protocol
 
 import numpy as np
@@ -82,20 +84,26 @@ class StepReader:
         launched.failed.append((state, fault))
 
     def _batch(self, launched: LaunchedStep, host: np.ndarray, results: StepResults) -> None:
-        """Every row one token with no per-row stop but EOS, stop ids and length: the stops of the
-        whole batch as array operations, Python per row only to append a token to its sequence
-        (and for the rows that end or ask for alternatives)."""
+        """Every row one token with no per-row stop but EOS, stop ids, a grammar's end and length:
+        the stops of the whole batch as array operations, Python per row only to append a token to
+        its sequence (and for the rows that end, ask for alternatives or have a grammar)."""
         facts, sampled = launched.rows.facts, launched.rows.sampled
         tokens, logprobs, counters, table = host[:, 0].astype(np.int64), host[:, 1], facts.counters, facts.table
         request_ids, indexes, stop_ids, wanted = facts.request_ids, facts.indexes, facts.stop_ids, facts.wanted
-        own, kept = facts.own, None
-        if own:  # a grammar's or a drafter's rows: read on their own, after the others
+        own, kept, stopped = facts.own, None, None
+        if own:  # a drafter's rows: read on their own, before the others
             kept = np.ones(len(sampled), dtype=bool)
             kept[own] = False
+            after = 0  # the row after the last one read: a draft's 1 + k rows are read together
             for i in own:
+                if i < after:
+                    continue
                 state, seq = sampled[i]
+                after = i + 1 + len(seq.draft)
                 if seq.finish_reason is None:
-                    self._read_sequence(launched, state, seq, [host[i].tolist()], results)
+                    self._read_sequence(launched, state, seq, host[i:after].tolist(), results)
+        if facts.constrained:
+            stopped = self._match(launched, sampled, tokens, facts.constrained, own)
         if launched.releases != self.scheduler.releases:  # a sequence ended since launch: one of these?
             alive = np.fromiter((seq.finish_reason is None for _, seq in sampled), dtype=bool, count=len(sampled))
             if kept is not None:
@@ -104,14 +112,18 @@ class StepReader:
                 kept = alive if kept is None else kept & alive
         rows = None  # the host rows kept, when some were dropped
         if kept is not None:
-            keep = np.flatnonzero(kept)
+            rows = keep = np.flatnonzero(kept)
             tokens, logprobs, counters, table = tokens[keep], logprobs[keep], counters[keep], table[keep]
-            rows = picks = keep.tolist()
-            sampled = [sampled[i] for i in picks]
-            request_ids, indexes = [request_ids[i] for i in picks], [indexes[i] for i in picks]
+            # The lists by runs of kept rows (slices, no Python per row): a few rows of their own
+            # or ended among many.
+            runs = true_runs(kept)
+            sampled, request_ids, indexes = picked(sampled, runs), picked(request_ids, runs), picked(indexes, runs)
             stop_ids = stop_ids[keep] if stop_ids is not None else None
-            wanted = [wanted[i] for i in picks] if wanted is not None else None
+            wanted = picked(wanted, runs) if wanted is not None else None
+            stopped = stopped[keep] if stopped is not None else None
         eos = tokens == table[:, EOS]
+        if stopped is not None:  # a complete grammar allows nothing more: it ends as EOS does
+            eos |= stopped
         if stop_ids is not None:  # a stop token id ends a sequence as EOS does
             eos |= (tokens[:, None] == stop_ids).any(axis=1)
         ends = np.flatnonzero(eos | (counters >= table[:, LAST])).tolist()
@@ -134,6 +146,26 @@ class StepReader:
                 if count:
                     top[offset + i] = alternatives(host[i if rows is None else rows[i]].tolist(), n, count)
         results.decode_output_tokens += int(np.count_nonzero(counters > table[:, PROMPT_LENGTH]))  # not a prompt's first
+
+    def _match(self, launched: LaunchedStep, sampled: list, tokens: np.ndarray, constrained: list[int],
+               own: list[int] | None) -> np.ndarray:
+        """A batch's constrained rows (but those read on their own): each grammar takes its row's
+        token first, and a token it refuses fails its request (the row is then dropped as one
+        ended since launch). [B]: True where the grammar is complete."""
+        stopped = np.zeros(len(sampled), dtype=bool)
+        skip = set(own) if own else ()
+        for i in constrained:
+            state, seq = sampled[i]
+            if i in skip or seq.finish_reason is not None:
+                continue
+            token = tokens[i].item()
+            if not seq.matcher.consume_token(token):
+                # An error, never a grammar that ended: llguidance's stopped state includes errors.
+                self.fail(state, grammar_failed(first_line(seq.matcher.get_error()) or f"token {token} was not allowed"),
+                          launched)
+            elif seq.matcher.is_stopped():
+                stopped[i] = True
+        return stopped
 
     def _each(self, launched: LaunchedStep, host: list[list[float]], results: StepResults) -> None:
         """Row by row: its draft's tokens that stand, then the model's own."""
@@ -204,3 +236,17 @@ class StepReader:
         if reason is not None:
             self.scheduler.release_sequence(seq, reason, state)
         return (state.request.request_id, seq.index, token, row[1], reason, top)
+
+
+def true_runs(mask: np.ndarray) -> list[tuple[int, int]]:
+    """The [start, end) runs of True in a boolean [B] mask."""
+    if not len(mask):
+        return []
+    bounds = [0, *(np.flatnonzero(mask[1:] != mask[:-1]) + 1).tolist(), len(mask)]  # where the value changes
+    first = 0 if mask[0] else 1
+    return list(zip(bounds[first::2], bounds[first + 1 :: 2]))
+
+
+def picked(column: list, runs: list[tuple[int, int]]) -> list:
+    """The items of `column` in `runs` (true_runs), in order."""
+    return list(chain.from_iterable(column[start:end] for start, end in runs))

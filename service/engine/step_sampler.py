@@ -18,7 +18,7 @@ from model.transfer import to_device
 from service.engine.faults import NonfiniteInjection, grammar_failed
 from service.engine.grammar import Grammars
 from service.engine.input_batch import InputBatch
-from service.engine.requests import RequestState
+from service.engine.requests import RequestState, Sequence
 from service.engine.step_data import LaunchedStep, StepRows
 
 
@@ -30,33 +30,52 @@ class StepSampler:
 
     def launch(
         self, logits: torch.Tensor, rows: StepRows, active: list[RequestState], completing: list[RequestState],
-        deferred: bool = False,
+        deferred: bool = False, waited: LaunchedStep | None = None,
     ) -> LaunchedStep:
         """Queue the sampling of every sampled row and the copy of its results to the host.
-        `deferred`: the tokens will be read after the next step is launched (no drafts then)."""
+        `deferred`: the tokens will be read after the next step is launched (no drafts then).
+
+        A constrained row whose last token is still in flight (the core's overlap) needs that token
+        in its matcher before its mask: the draw then waits (`awaiting`) until the core has read
+        the step before, and `draw` queues it (`waited`: that step). The forwards are queued
+        meanwhile, so the masks are computed while the device runs them, and the row never sits a
+        step out."""
+        launched = waited or LaunchedStep(rows, active, completing, None, 0, None, deferred)
         if not rows.sampled:
-            return LaunchedStep(rows, active, completing, None, 0, None, deferred)
+            return launched
+        if waited is None:
+            if self.injection is not None:  # keyed by each row's draw, known now
+                launched.injected = [(state.params.seed, len(seq.token_ids) + seq.pending - seq.prompt_length)
+                                     for state, seq in rows.sampled]
+            if rows.facts.features.grammar and any(seq.pending for seq in constrained_sequences(rows)):
+                launched.awaiting = logits
+                return launched
+        launched.awaiting = None
         slots, read = rows.sample_slots, rows.read
         features = rows.facts.features
         slot_params, slot_controls = self.batch.params, self.batch.controls
         params = slot_params.gather(read, features)
         params.controls = slot_controls.gather(read, rows.sample_counters, features)
         seen = slot_params.seen(read) if params.any_penalty else None
-        step_logits = logits[: len(rows.sampled)] if rows.in_slot_order else logits[rows.sample_rows]  # [B, V]
+        step_logits = logits[: len(rows.sampled)] if rows.logits_in_order else logits[rows.sample_rows]  # [B, V]
         if self.injection is not None:
-            step_logits = self.injection.apply(
-                step_logits, [(state.params.seed, len(seq.token_ids) + seq.pending - seq.prompt_length) for state, seq in rows.sampled])
+            step_logits = self.injection.apply(step_logits, launched.injected)
         faults = {}
         if features.grammar:
             # The grammar's forbidden tokens at -inf before anything reads the logits: the
             # sampler, the log-probabilities and the alternatives see the constrained
             # distribution. Unconstrained rows are untouched (their values, their bits).
-            # The mask is built for the constrained rows alone, not [B, V].
-            constrained, banned, errors = self.grammars.banned([seq.matcher for _, seq in rows.sampled],
-                                                               step_logits.device, draft_prefixes(rows))
+            # The mask is built for the constrained rows alone, not [B, V], and they are found
+            # from the input batch (RowFacts.constrained), not by a pass over every row.
+            # A sequence that ended while its draw waited (`awaiting`) is masked by nothing.
+            sampled = rows.sampled
+            constrained = [row for row in candidate_rows(rows)
+                           if sampled[row][1].matcher is not None and sampled[row][1].finish_reason is None]
+            _, banned, errors = self.grammars.banned([sampled[row][1].matcher for row in constrained],
+                                                     step_logits.device, draft_prefixes(rows, constrained))
             index = to_device(constrained, step_logits.device)
             step_logits = step_logits.index_put((index,), step_logits[index].masked_fill(banned, float("-inf")))
-            faults = {row: grammar_failed(error) for row, error in errors.items()}
+            faults = {constrained[at]: grammar_failed(error) for at, error in errors.items()}
         tokens, logprobs = choose_tokens(step_logits, params, rows.sample_counters, seen)  # [B], [B]
         if params.any_penalty:
             slot_params.mark_seen(slots, tokens)
@@ -76,12 +95,16 @@ class StepSampler:
         # The sampler's one device→host copy: tokens, their log-probs and alternatives together
         # (float64 holds every token id exactly). [B, 2 + 2n]. Queued, not waited for: on CUDA
         # the host goes on (non_blocking lands in pinned memory) and `read` waits for the event.
-        host = torch.cat(columns, dim=1).to("cpu", non_blocking=True)
-        ready = None
-        if host.device != logits.device and logits.device.type == "cuda":
-            ready = torch.cuda.Event()
-            ready.record()
-        return LaunchedStep(rows, active, completing, host, n, ready, deferred, faults=faults)
+        launched.sampled = torch.cat(columns, dim=1).to("cpu", non_blocking=True)
+        launched.alternatives, launched.faults = n, faults
+        if launched.sampled.device != logits.device and logits.device.type == "cuda":
+            launched.ready = torch.cuda.Event()
+            launched.ready.record()
+        return launched
+
+    def draw(self, launched: LaunchedStep) -> None:
+        """Queue the draw of a launched step that waited for the step before it to be read."""
+        self.launch(launched.awaiting, launched.rows, launched.active, launched.completing, launched.deferred, launched)
 
     def _alternatives(self, step_logits: torch.Tensor, wanted: list[int], n: int) -> torch.Tensor:
         """[B, 2n]: the n most likely ids and their log-probs for the rows that asked (`wanted`: each
@@ -108,13 +131,24 @@ class StepSampler:
         return launched.sampled.numpy()
 
 
-def draft_prefixes(rows: StepRows) -> list[list[int]] | None:
-    """Per sampled row, the draft tokens before it (row j of a sequence's 1 + k sees j of them);
-    None when no row has a draft."""
+def candidate_rows(rows: StepRows) -> list[int] | range:
+    """The sampled rows that may be constrained: a batch's constrained rows, every row of a step
+    laid out row by row."""
+    return rows.facts.constrained if rows.facts.constrained is not None else range(len(rows.sampled))
+
+
+def constrained_sequences(rows: StepRows) -> list[Sequence]:
+    return [seq for seq in (rows.sampled[row][1] for row in candidate_rows(rows)) if seq.matcher is not None]
+
+
+def draft_prefixes(rows: StepRows, picks: list[int]) -> list[list[int]] | None:
+    """For the sampled rows `picks` (ascending; a drafted sequence's rows all or none), the draft
+    tokens before each (row j of a sequence's 1 + k sees j of them); None when no row has a draft."""
     if not rows.drafted:
         return None
     prefixes, previous, j = [], None, 0
-    for _, seq in rows.sampled:
+    for row in picks:
+        seq = rows.sampled[row][1]
         j = j + 1 if seq is previous else 0
         previous = seq
         prefixes.append(seq.draft[:j])

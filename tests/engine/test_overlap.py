@@ -15,6 +15,8 @@ import pytest
 
 import service.engine.layout as layout_module
 from service.engine.ngram_drafter import NgramSettings
+from service.engine.scheduler import Scheduler
+from service.engine.step_sampler import StepSampler
 from tests.conftest import TINY
 from tests.engine.conftest import make_request, random_prompt
 
@@ -141,9 +143,9 @@ def test_a_sequence_packed_while_its_last_token_is_in_flight_keeps_its_keys(make
 
 
 def test_requests_that_need_the_hosts_tokens_keep_overlap_on_and_change_nothing(make_engine):
-    """Beams, a grammar's matcher and drafts need each token on the host before their next step:
-    they sit out the steps launched before it is read, overlap stays on for everyone, and every
-    output is the synchronous one."""
+    """Beams and drafts need each token on the host before their next step (they sit out the steps
+    launched before it is read), a grammar's matcher before its step's draw: overlap stays on for
+    everyone, and every output is the synchronous one."""
     entries = MIXED[:6] + [BEAM, GRAMMAR]
     for config in (dict(max_slots=12), dict(max_slots=12, speculative=NgramSettings())):
         synchronous, _ = run(make_engine, entries, overlap=False, **config)
@@ -151,6 +153,32 @@ def test_requests_that_need_the_hosts_tokens_keep_overlap_on_and_change_nothing(
         overlapped, ahead = run(make_engine, entries, overlap=True, paced=paced, **config)
         assert overlapped == synchronous
         assert sum(paced) > 5  # steps in flight while they ran
+
+
+def test_a_grammar_steps_every_step_its_draw_waiting_for_the_read(make_engine, monkeypatch):
+    """A grammar's mask needs its last token only to draw: with overlap on, a constrained request
+    never sits a step out; a step with its row queues the forwards and draws once the step before
+    is read (StepSampler.draw), and every output is the synchronous one."""
+    waited, sat_out = [], []
+    real_draw, real_schedule = StepSampler.draw, Scheduler.schedule
+
+    def draw(self, launched):
+        waited.append(launched)
+        return real_draw(self, launched)
+
+    def schedule(self, *args, **options):
+        plan = real_schedule(self, *args, **options)
+        sat_out.extend(plan.sitting_out)
+        return plan
+
+    monkeypatch.setattr(StepSampler, "draw", draw)
+    monkeypatch.setattr(Scheduler, "schedule", schedule)
+    entries = MIXED[:4] + [GRAMMAR]
+    synchronous, _ = run(make_engine, entries, overlap=False, max_slots=8)
+    assert not waited
+    overlapped, _ = run(make_engine, entries, overlap=True, max_slots=8)
+    assert overlapped == synchronous
+    assert len(waited) > 3 and not sat_out
 
 
 def test_cancelled_requests_end_where_they_were_and_others_are_untouched(make_engine):

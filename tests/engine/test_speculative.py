@@ -14,6 +14,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+import service.engine.layout as layout_module
 from service.engine.draft_policy import DraftAcceptance, acceptance_threshold, draft_length
 from service.engine.ngram_drafter import NgramIndex, NgramSettings, continuation
 from service.engine.speculation import kept_length, speculates
@@ -175,6 +176,31 @@ def test_staggered_arrivals_with_and_without_speculation_in_one_batch(make_engin
             [make_request(REPEATING[:10], request_id="spec-1", max_new_tokens=12, num_beams=2)],
         ]
     both(make_engine, requests, max_slots=6)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_step_verifying_drafts_is_laid_out_as_a_batch(make_engine, monkeypatch, overlap):
+    """The drafted sequences' 1 + k rows follow the batch's other rows (StepLayout._batch), which
+    are laid out as in a step without drafts: every output, the drafters' (greedy with
+    alternatives, seeded) and their neighbours', is the one without speculation."""
+    drafted_steps = []
+    real = layout_module.StepLayout._batch_drafted
+
+    def counting(self, plan, drafted, *rest):
+        drafted_steps.append(len(drafted))
+        return real(self, plan, drafted, *rest)
+
+    monkeypatch.setattr(layout_module, "BATCHED_ROWS", 1)
+    monkeypatch.setattr(layout_module.StepLayout, "_batch_drafted", counting)
+    requests = lambda: [[  # noqa: E731
+        make_request(REPEATING, request_id="greedy", max_new_tokens=30, top_logprobs=2),
+        make_request(REPEATING, request_id="seeded", max_new_tokens=30, do_sample=True, seed=3, num_return_sequences=2,
+                     logit_bias=PEAKED),
+        make_request(random_prompt(9, seed=4), request_id="plain", max_new_tokens=30, speculate=False),
+        make_request(random_prompt(5, seed=5), request_id="sampled", max_new_tokens=20, do_sample=True, seed=5),
+    ]]
+    _, totals = both(make_engine, requests, max_slots=6, overlap=overlap)
+    assert len(drafted_steps) > 5 and totals["accepted"] > 10
 
 
 def test_an_always_wrong_draft_still_gives_the_right_tokens(make_engine, monkeypatch):
