@@ -44,6 +44,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
+import numpy as np
 import torch
 
 from model.gpt2 import GPT2
@@ -54,6 +55,7 @@ from model.scoring import top_n
 # transformers marks impossible beams with this score rather than -inf, so arithmetic on them
 # stays finite; using the same constant keeps rankings identical in the corner cases.
 NEG_SCORE = -1.0e9
+NEG_SCORE32 = np.float32(NEG_SCORE)  # exact
 
 BeamFinishReason = Literal["eos_token", "length"]
 
@@ -121,14 +123,16 @@ class BeamSearch:
         self._candidates = max(2, 1 + (params.eos_token_id is not None)) * n
         self._generated = 0  # tokens generated so far by every running beam
         self.done = False
-        # Bookkeeping over 2 * num_beams candidates is tiny: it lives on the CPU, in float32,
-        # with transformers' arithmetic; only vocab-sized work stays on the logits' device.
-        self._running_scores = torch.full((n,), NEG_SCORE)  # [num_beams]
+        # Bookkeeping over 2 * num_beams candidates is tiny: it lives on the host, in numpy's
+        # float32, whose arithmetic is torch's (a float32 array divided by a Python float is
+        # divided by that float rounded to float32 in both); only vocab-sized work stays on the
+        # logits' device.
+        self._running_scores = np.full(n, NEG_SCORE, dtype=np.float32)  # [num_beams]
         self._running_scores[0] = 0.0
         self._running_tokens: list[list[int]] = [[] for _ in range(n)]
         self._running_logprobs: list[list[float]] = [[] for _ in range(n)]
-        self._finished_scores = torch.full((n,), NEG_SCORE)  # [num_beams]
-        self._finished_flags = torch.zeros(n, dtype=torch.bool)  # [num_beams]
+        self._finished_scores = np.full(n, NEG_SCORE, dtype=np.float32)  # [num_beams]
+        self._finished_flags = np.zeros(n, dtype=bool)  # [num_beams]
         self._finished: list[Hypothesis | None] = [None] * n
         self._improvement_possible = True
         self._seen: torch.Tensor | None = None  # [num_beams, V] bool, for repetition_penalty
@@ -145,10 +149,23 @@ class BeamSearch:
                 f"expected logits [num_beams={n}, vocab], got {list(logits.shape)}"
                 + (" (or [1, vocab] for the first step)" if self._generated == 0 else "")
             )
-        top_totals, top_logprobs, beams, tokens = self._top_candidates(logits)
+        running = torch.from_numpy(self._running_scores)[None]  # [1, n]
+        candidates = beam_candidates(logits.expand(n, logits.shape[-1])[None], running, [self])  # [1, 3K]
+        # One device-to-host transfer per step.
+        return self.advance(*split_candidates(candidates[0].cpu().numpy(), self.candidates), logits.shape[-1])
 
+    def advance(self, top_totals: np.ndarray, top_logprobs: list[float], flat: list[int], vocab: int) -> BeamStep:
+        """Advance every beam by one token given this step's best candidates (`beam_candidates`,
+        computed wherever the logits are): their total scores (float32 [K]), their tokens' own
+        log-probs and their flat indices (beam * vocab + token), best first. Host work only."""
+        if self.done:
+            raise RuntimeError("beam search is done; call finish()")
+        params = self.params
+        n = params.num_beams
+        beams = [index // vocab for index in flat]
+        tokens = [index % vocab for index in flat]
         generated = self._generated + 1
-        hits = torch.tensor(
+        hits = np.array(
             [tok == params.eos_token_id or generated >= params.max_new_tokens for tok in tokens]
         )  # [K] bool: this candidate ends its hypothesis
         candidates = [
@@ -157,7 +174,7 @@ class BeamSearch:
         ]
 
         # Running beams for the next step: the best num_beams candidates that did not finish.
-        running_totals = top_totals + hits.to(torch.float32) * NEG_SCORE  # [K]
+        running_totals = top_totals + hits.astype(np.float32) * NEG_SCORE32  # [K]
         keep = best_first(running_totals, n).tolist()
         self._running_scores = running_totals[keep]  # [n]
         self._running_tokens = [candidates[k][0] for k in keep]
@@ -181,30 +198,26 @@ class BeamSearch:
         return found[: self.params.num_return_sequences]
 
     # --- internals ----------------------------------------------------------------------------
-    def _top_candidates(
-        self, logits: torch.Tensor
-    ) -> tuple[torch.Tensor, list[float], list[int], list[int]]:
-        """The best 2 * num_beams (beam, token) continuations by running score, best first.
+    @property
+    def candidates(self) -> int:
+        """K: the candidates each step keeps (2 * num_beams)."""
+        return self._candidates
 
-        Returns their total scores (CPU float32 [K]), their tokens' own log-probs, their beams
-        and their tokens.
-        """
-        n, vocab = self.params.num_beams, logits.shape[-1]
-        log_probs = torch.log_softmax(logits.float(), dim=-1).expand(n, vocab)  # [n, V]
-        if self.params.repetition_penalty != 1.0:
-            log_probs = self._penalise_repeats(log_probs)
-        totals = log_probs + self._running_scores.to(log_probs.device)[:, None]  # [n, V]
-        # Equal totals: the lowest (beam, token) first, whatever device or kernel runs it.
-        top_totals, top_flat = (t[0] for t in top_n(totals.reshape(1, -1), self._candidates))  # [K], [K]
-        top_logprobs = log_probs.reshape(-1)[top_flat]  # [K]
-        # One device-to-host transfer per step. float64 holds the float32 scores and the flat
-        # indices (up to num_beams * V) exactly.
-        packed = torch.stack([top_totals.double(), top_logprobs.double(), top_flat.double()])
-        packed = packed.cpu()  # [3, K]
-        flat = packed[2].long().tolist()
-        beams = [index // vocab for index in flat]
-        tokens = [index % vocab for index in flat]
-        return packed[0].float(), packed[1].tolist(), beams, tokens
+    @property
+    def first_step(self) -> bool:
+        """No token generated yet: only beam 0 is live (its logits are the prompt's)."""
+        return self._generated == 0
+
+    @property
+    def running_scores(self) -> np.ndarray:
+        """[num_beams] float32: each running beam's score (NEG_SCORE: not live yet)."""
+        return self._running_scores
+
+    def penalise(self, log_probs: torch.Tensor) -> torch.Tensor:
+        """log_probs [num_beams, V] after repetition_penalty (unchanged without one)."""
+        if self.params.repetition_penalty == 1.0:
+            return log_probs
+        return self._penalise_repeats(log_probs)
 
     def _penalise_repeats(self, log_probs: torch.Tensor) -> torch.Tensor:
         n, vocab = log_probs.shape
@@ -222,19 +235,19 @@ class BeamSearch:
 
     def _add_finished(
         self,
-        top_totals: torch.Tensor,
-        hits: torch.Tensor,
+        top_totals: np.ndarray,
+        hits: np.ndarray,
         candidates: list[tuple[list[int], list[float]]],
         generated: int,
     ) -> None:
         n = self.params.num_beams
         # Only the first num_beams candidates may finish; the rest exist so enough keep running.
-        in_top = torch.arange(hits.shape[0]) < n  # [K]
-        just_finished = hits & in_top  # [K]
-        scores = top_totals / (generated**self.params.length_penalty)  # [K]
-        scores = scores + (~just_finished).to(torch.float32) * NEG_SCORE
-        merged_scores = torch.cat([self._finished_scores, scores])  # [n + K]
-        merged_flags = torch.cat([self._finished_flags, just_finished])  # [n + K]
+        just_finished = hits.copy()  # [K]
+        just_finished[n:] = False
+        scores = top_totals / np.float32(generated**self.params.length_penalty)  # [K]
+        scores = scores + (~just_finished).astype(np.float32) * NEG_SCORE32
+        merged_scores = np.concatenate([self._finished_scores, scores])  # [n + K]
+        merged_flags = np.concatenate([self._finished_flags, just_finished])  # [n + K]
         new_hyps = [
             self._hypothesis(tokens, logprobs, float(score)) if finished else None
             for (tokens, logprobs), score, finished in zip(
@@ -252,15 +265,15 @@ class BeamSearch:
         reason: BeamFinishReason = "eos_token" if eos is not None and tokens[-1] == eos else "length"
         return Hypothesis(token_ids=tokens, token_logprobs=logprobs, score=score, finish_reason=reason)
 
-    def _should_stop(self, hits: torch.Tensor) -> bool:
+    def _should_stop(self, hits: np.ndarray) -> bool:
         params = self.params
         if params.early_stopping == "never" and params.length_penalty > 0.0:
             best_length = params.max_new_tokens  # a longer hypothesis would score higher
         else:
             best_length = self._generated
-        best_running = self._running_scores[0] / (best_length**params.length_penalty)
-        worst_finished = torch.where(
-            self._finished_flags, self._finished_scores.min(), torch.tensor(NEG_SCORE)
+        best_running = self._running_scores[0] / np.float32(best_length**params.length_penalty)
+        worst_finished = np.where(
+            self._finished_flags, self._finished_scores.min(), NEG_SCORE32
         )  # [n]: any slot still empty keeps the search going
         self._improvement_possible = self._improvement_possible and bool(
             (best_running > worst_finished).any()
@@ -273,10 +286,44 @@ class BeamSearch:
         )
 
 
-def best_first(scores: torch.Tensor, n: int) -> torch.Tensor:
+def beam_candidates(logits: torch.Tensor, running: torch.Tensor, searches: list[BeamSearch]) -> torch.Tensor:
+    """The best candidates of several beam searches at once, on the logits' device, as
+    transformers' `_beam_search` computes them for a batch: log_softmax of each beam's logits (in
+    float32), repetition_penalty where a search asks for it, plus the beam's running score, then
+    the top K over each search's [beams x V].
+
+    logits [R, N, V]: search r's beams in rows 0..num_beams-1 (N: the widest search; rows past a
+    search's own are padding, with a running score of -inf); running [R, N]. Returns [R, 3k]
+    float64 (k: the largest K), best first: each candidate's total score, its token's own
+    log-prob, its flat index (beam * V + token); search r's own K are the first of each third
+    (`split_candidates`). float64 holds the float32 scores and the flat indices exactly.
+    """
+    count, width, vocab = logits.shape
+    log_probs = torch.log_softmax(logits.float(), dim=-1)  # [R, N, V]
+    for row, search in enumerate(searches):
+        if search.params.repetition_penalty != 1.0:
+            beams = search.params.num_beams
+            log_probs[row, :beams] = search.penalise(log_probs[row, :beams])
+    totals = log_probs + running.to(log_probs.device, torch.float32)[:, :, None]  # [R, N, V]
+    k = max(search.candidates for search in searches)
+    # Equal totals: the lowest (beam, token) first, whatever device or kernel runs it; so a
+    # search's own K are the first K of the widest search's k, padding (-inf) last.
+    top_totals, top_flat = top_n(totals.reshape(count, width * vocab), k)  # [R, k], [R, k]
+    top_logprobs = log_probs.reshape(count, width * vocab).gather(1, top_flat)  # [R, k]
+    return torch.cat([top_totals.double(), top_logprobs.double(), top_flat.double()], dim=1)  # [R, 3k]
+
+
+def split_candidates(row: np.ndarray, candidates: int) -> tuple[np.ndarray, list[float], list[int]]:
+    """One search's row of `beam_candidates` on the host ([3k] float64) → its first `candidates`:
+    total scores (float32 [K]), log-probs and flat indices, as `advance` takes them."""
+    row = row.reshape(3, -1)[:, :candidates]
+    return row[0].astype(np.float32), row[1].tolist(), row[2].astype(np.int64).tolist()
+
+
+def best_first(scores: np.ndarray, n: int) -> np.ndarray:
     """Indices of the n highest of scores [K], highest first, equal ones in index order (topk
     leaves their order to its algorithm)."""
-    return scores.sort(descending=True, stable=True).indices[:n]
+    return np.argsort(-scores, kind="stable")[:n]
 
 
 def reorder_beam_slots(cache: KVCache, slots: list[int], source_beams: list[int], length: int) -> None:

@@ -5,8 +5,8 @@ launched would stall the host until they finish).
 
 Two ways to the same layout: from the input batch (service/engine/input_batch.py) when every
 row draws one token from the sampler and enough run for array operations to pay (grammars and
-drafters without a draft this step among them); row by row from the sequences otherwise (a beam
-search, a step verifying drafts, few rows). This is the one place that chooses.
+drafters without a draft this step, and beam searches, among them); row by row from the sequences
+otherwise (a step verifying drafts, few rows). This is the one place that chooses.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import torch
 
 from model.kv_cache import KVCache
 from model.transfer import to_device
+from service.engine.beams import beam_groups
 from service.engine.input_batch import InputBatch
 from service.engine.requests import Sequence, StepPlan
 from service.engine.step_data import StepRows
@@ -43,11 +44,13 @@ class StepLayout:
         # those that do took the next free slots, sampled row b is logits row b and slot b for
         # every b: the read path without gathers. (A prompt admitted into a slot a finished
         # sequence left inside the batch, the usual case under heavy churn, still gathers.)
-        # A beam chooses its own tokens and a draft verifies 1 + k positions: rows of their own. A
-        # grammar's rows (and a drafter's without a draft this step) draw like any other.
-        if plan.beams or plan.drafted or plan.running < BATCHED_ROWS:
-            return self._each(plan)
-        return self._batch(plan)
+        # A draft verifies 1 + k positions: rows of its own. A grammar's rows, a beam's (whose
+        # search chooses its token from the step's candidates: service/engine/beams.py) and a
+        # drafter's without a draft this step draw like any other.
+        rows = self._each(plan) if plan.drafted or plan.running < BATCHED_ROWS else self._batch(plan)
+        if plan.beams:  # drawn like any row, their draws unused: their searches' candidates instead
+            rows.beams = beam_groups(rows.sampled, rows.facts.own)
+        return rows
 
     def _batch(self, plan: StepPlan) -> StepRows:
         """Every row draws one token from the sampler: who holds each slot and its length come from
@@ -89,8 +92,6 @@ class StepLayout:
         by_slot = sorted([(seq.slot, state, seq) for state in plan.decode for seq in state.live])  # slots are unique
         decoding = [seq for _, _, seq in by_slot]
         sampled = [(state, seq) for _, state, seq in by_slot]
-        if plan.host_paced:  # beams among them, perhaps: they choose their own tokens
-            sampled = [(state, seq) for state, seq in sampled if state.beam is None]
         drafted = [seq for seq in decoding if seq.draft] if self.speculative else []
         if not drafted:
             # Comprehensions, not a loop of appends: this runs over every row of every step.
@@ -106,7 +107,7 @@ class StepLayout:
         for index, chunk in enumerate(plan.prefill):
             if chunk.completes:
                 row_of.update((seq.slot, row + index) for seq in chunk.state.sequences)
-        sampled += [(state, seq) for state in plan.completing if state.beam is None for seq in state.live]
+        sampled += [(state, seq) for state in plan.completing for seq in state.live]
         if not drafted:
             slots = [seq.slot for _, seq in sampled]
             logit_rows = [row_of[slot] for slot in slots]
@@ -122,8 +123,8 @@ class StepLayout:
                 if not seq.draft:
                     undrafted.append(row)
         host = np.array([logit_rows, slots, counters], dtype=np.int64).reshape(3, len(slots))
-        # With no beam or draft the decode rows are the first sampled ones, each feeding the token
-        # the sampler left on the device for its slot.
+        # With no host-paced row or draft the decode rows are the first sampled ones, each feeding
+        # the token the sampler left on the device for its slot.
         from_device = not (plan.host_paced or drafted)
         rows = self._rows(decoding, row_of, sampled, host, slots, logit_rows, drafted, from_device, batched=False)
         if drafted:
