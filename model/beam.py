@@ -123,16 +123,15 @@ class BeamSearch:
         self._candidates = max(2, 1 + (params.eos_token_id is not None)) * n
         self._generated = 0  # tokens generated so far by every running beam
         self.done = False
-        # Bookkeeping over 2 * num_beams candidates is tiny: it lives on the host, in numpy's
-        # float32, whose arithmetic is torch's (a float32 array divided by a Python float is
-        # divided by that float rounded to float32 in both); only vocab-sized work stays on the
-        # logits' device.
-        self._running_scores = np.full(n, NEG_SCORE, dtype=np.float32)  # [num_beams]
-        self._running_scores[0] = 0.0
+        # Bookkeeping over 2 * num_beams candidates is tiny: it runs on the host, in Python over
+        # float32 values (Python floats holding them exactly, their arithmetic in numpy's float32
+        # scalars, which is torch's: a float32 divided by a Python float is divided by that float
+        # rounded to float32 in both); only vocab-sized work stays on the logits' device.
+        self._running_scores = [0.0] + [NEG_SCORE] * (n - 1)  # [num_beams]
         self._running_tokens: list[list[int]] = [[] for _ in range(n)]
         self._running_logprobs: list[list[float]] = [[] for _ in range(n)]
-        self._finished_scores = np.full(n, NEG_SCORE, dtype=np.float32)  # [num_beams]
-        self._finished_flags = np.zeros(n, dtype=bool)  # [num_beams]
+        self._finished_scores = [NEG_SCORE] * n  # [num_beams], best first
+        self._finished_flags = [False] * n  # [num_beams]
         self._finished: list[Hypothesis | None] = [None] * n
         self._improvement_possible = True
         self._seen: torch.Tensor | None = None  # [num_beams, V] bool, for repetition_penalty
@@ -149,14 +148,14 @@ class BeamSearch:
                 f"expected logits [num_beams={n}, vocab], got {list(logits.shape)}"
                 + (" (or [1, vocab] for the first step)" if self._generated == 0 else "")
             )
-        running = torch.from_numpy(self._running_scores)[None]  # [1, n]
+        running = torch.tensor([self._running_scores], dtype=torch.float32)  # [1, n]
         candidates = beam_candidates(logits.expand(n, logits.shape[-1])[None], running, [self])  # [1, 3K]
         # One device-to-host transfer per step.
         return self.advance(*split_candidates(candidates[0].cpu().numpy(), self.candidates), logits.shape[-1])
 
-    def advance(self, top_totals: np.ndarray, top_logprobs: list[float], flat: list[int], vocab: int) -> BeamStep:
+    def advance(self, top_totals: list[float], top_logprobs: list[float], flat: list[int], vocab: int) -> BeamStep:
         """Advance every beam by one token given this step's best candidates (`beam_candidates`,
-        computed wherever the logits are): their total scores (float32 [K]), their tokens' own
+        computed wherever the logits are): their total scores (float32 values), their tokens' own
         log-probs and their flat indices (beam * vocab + token), best first. Host work only."""
         if self.done:
             raise RuntimeError("beam search is done; call finish()")
@@ -165,24 +164,19 @@ class BeamSearch:
         beams = [index // vocab for index in flat]
         tokens = [index % vocab for index in flat]
         generated = self._generated + 1
-        hits = np.array(
-            [tok == params.eos_token_id or generated >= params.max_new_tokens for tok in tokens]
-        )  # [K] bool: this candidate ends its hypothesis
-        candidates = [
-            (self._running_tokens[b] + [t], self._running_logprobs[b] + [lp])
-            for b, t, lp in zip(beams, tokens, top_logprobs)
-        ]
+        at_limit = generated >= params.max_new_tokens
+        hits = [at_limit or tok == params.eos_token_id for tok in tokens]  # [K]: it ends its hypothesis
 
         # Running beams for the next step: the best num_beams candidates that did not finish.
-        running_totals = top_totals + hits.astype(np.float32) * NEG_SCORE32  # [K]
-        keep = best_first(running_totals, n).tolist()
-        self._running_scores = running_totals[keep]  # [n]
-        self._running_tokens = [candidates[k][0] for k in keep]
-        self._running_logprobs = [candidates[k][1] for k in keep]
+        running_totals = [float(np.float32(total) + NEG_SCORE32) if hit else total
+                          for total, hit in zip(top_totals, hits)]  # [K]
+        keep = best_first(running_totals, n)
         source_beams = [beams[k] for k in keep]
         next_tokens = [tokens[k] for k in keep]
-
-        self._add_finished(top_totals, hits, candidates, generated)
+        self._add_finished(top_totals, hits, beams, tokens, top_logprobs, generated)
+        self._running_scores = [running_totals[k] for k in keep]  # [n]
+        self._running_tokens = [self._running_tokens[beams[k]] + [tokens[k]] for k in keep]
+        self._running_logprobs = [self._running_logprobs[beams[k]] + [top_logprobs[k]] for k in keep]
         self._generated = generated
         self.done = self._should_stop(hits)
         if params.repetition_penalty != 1.0 and not self.done:
@@ -209,8 +203,8 @@ class BeamSearch:
         return self._generated == 0
 
     @property
-    def running_scores(self) -> np.ndarray:
-        """[num_beams] float32: each running beam's score (NEG_SCORE: not live yet)."""
+    def running_scores(self) -> list[float]:
+        """[num_beams] float32 values: each running beam's score (NEG_SCORE: not live yet)."""
         return self._running_scores
 
     def penalise(self, log_probs: torch.Tensor) -> torch.Tensor:
@@ -235,54 +229,55 @@ class BeamSearch:
 
     def _add_finished(
         self,
-        top_totals: np.ndarray,
-        hits: np.ndarray,
-        candidates: list[tuple[list[int], list[float]]],
+        top_totals: list[float],
+        hits: list[bool],
+        beams: list[int],
+        tokens: list[int],
+        top_logprobs: list[float],
         generated: int,
     ) -> None:
         n = self.params.num_beams
-        # Only the first num_beams candidates may finish; the rest exist so enough keep running.
-        just_finished = hits.copy()  # [K]
-        just_finished[n:] = False
-        scores = top_totals / np.float32(generated**self.params.length_penalty)  # [K]
-        scores = scores + (~just_finished).astype(np.float32) * NEG_SCORE32
-        merged_scores = np.concatenate([self._finished_scores, scores])  # [n + K]
-        merged_flags = np.concatenate([self._finished_flags, just_finished])  # [n + K]
-        new_hyps = [
-            self._hypothesis(tokens, logprobs, float(score)) if finished else None
-            for (tokens, logprobs), score, finished in zip(
-                candidates, scores.tolist(), just_finished.tolist()
-            )
-        ]
-        merged_hyps = self._finished + new_hyps
+        divisor = np.float32(generated**self.params.length_penalty)
+        # Only the first num_beams candidates may finish; the rest exist so enough keep running
+        # (their scores, pushed down by NEG_SCORE, still take the set's empty places).
+        just_finished = [hit and k < n for k, hit in enumerate(hits)]  # [K]
+        scores = [float(np.float32(total) / divisor) if finished else float(np.float32(total) / divisor + NEG_SCORE32)
+                  for total, finished in zip(top_totals, just_finished)]  # [K]
+        merged_scores = self._finished_scores + scores  # [n + K]
         best = best_first(merged_scores, n)  # [n]: on equal scores, finished earlier first
-        self._finished_scores = merged_scores[best]
-        self._finished_flags = merged_flags[best]
-        self._finished = [merged_hyps[i] for i in best.tolist()]
+        merged_flags = self._finished_flags + just_finished
+        self._finished = [
+            self._finished[i] if i < n else
+            self._hypothesis(beams[i - n], tokens[i - n], top_logprobs[i - n], scores[i - n]) if just_finished[i - n]
+            else None
+            for i in best
+        ]
+        self._finished_scores = [merged_scores[i] for i in best]
+        self._finished_flags = [merged_flags[i] for i in best]
 
-    def _hypothesis(self, tokens: list[int], logprobs: list[float], score: float) -> Hypothesis:
+    def _hypothesis(self, beam: int, token: int, logprob: float, score: float) -> Hypothesis:
+        """The hypothesis of running beam `beam` ending with `token`."""
+        tokens, logprobs = self._running_tokens[beam] + [token], self._running_logprobs[beam] + [logprob]
         eos = self.params.eos_token_id
         reason: BeamFinishReason = "eos_token" if eos is not None and tokens[-1] == eos else "length"
         return Hypothesis(token_ids=tokens, token_logprobs=logprobs, score=score, finish_reason=reason)
 
-    def _should_stop(self, hits: np.ndarray) -> bool:
+    def _should_stop(self, hits: list[bool]) -> bool:
         params = self.params
         if params.early_stopping == "never" and params.length_penalty > 0.0:
             best_length = params.max_new_tokens  # a longer hypothesis would score higher
         else:
             best_length = self._generated
-        best_running = self._running_scores[0] / np.float32(best_length**params.length_penalty)
-        worst_finished = np.where(
-            self._finished_flags, self._finished_scores.min(), NEG_SCORE32
-        )  # [n]: any slot still empty keeps the search going
-        self._improvement_possible = self._improvement_possible and bool(
-            (best_running > worst_finished).any()
+        best_running = float(np.float32(self._running_scores[0]) / np.float32(best_length**params.length_penalty))
+        lowest = min(self._finished_scores)
+        # Any place of the finished set still empty keeps the search going.
+        self._improvement_possible = self._improvement_possible and any(
+            best_running > (lowest if flag else NEG_SCORE) for flag in self._finished_flags
         )
-        all_finished = bool(self._finished_flags.all())
         return (
             not self._improvement_possible
-            or (all_finished and params.early_stopping is True)
-            or bool(hits.all())
+            or (all(self._finished_flags) and params.early_stopping is True)
+            or all(hits)
         )
 
 
@@ -313,17 +308,17 @@ def beam_candidates(logits: torch.Tensor, running: torch.Tensor, searches: list[
     return torch.cat([top_totals.double(), top_logprobs.double(), top_flat.double()], dim=1)  # [R, 3k]
 
 
-def split_candidates(row: np.ndarray, candidates: int) -> tuple[np.ndarray, list[float], list[int]]:
-    """One search's row of `beam_candidates` on the host ([3k] float64) → its first `candidates`:
-    total scores (float32 [K]), log-probs and flat indices, as `advance` takes them."""
-    row = row.reshape(3, -1)[:, :candidates]
-    return row[0].astype(np.float32), row[1].tolist(), row[2].astype(np.int64).tolist()
+def split_candidates(row: np.ndarray, candidates: int) -> tuple[list[float], list[float], list[int]]:
+    """One search's row of `beam_candidates` on the host ([3k] float64, float32 values) → its
+    first `candidates`: total scores, log-probs and flat indices, as `advance` takes them."""
+    totals, logprobs, flat = row.reshape(3, -1)[:, :candidates].tolist()
+    return totals, logprobs, list(map(int, flat))
 
 
-def best_first(scores: np.ndarray, n: int) -> np.ndarray:
+def best_first(scores: list[float], n: int) -> list[int]:
     """Indices of the n highest of scores [K], highest first, equal ones in index order (topk
     leaves their order to its algorithm)."""
-    return np.argsort(-scores, kind="stable")[:n]
+    return sorted(range(len(scores)), key=lambda i: -scores[i])[:n]
 
 
 def reorder_beam_slots(cache: KVCache, slots: list[int], source_beams: list[int], length: int) -> None:

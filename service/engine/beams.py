@@ -109,7 +109,8 @@ def launch_candidates(step_logits: torch.Tensor, groups: list[BeamRows]) -> torc
         host[1, i, :beams] = search.running_scores
     device = to_device(host, step_logits.device, torch.float64)
     logits = step_logits[device[0].long()]  # [R, N, V]
-    finite = torch.isfinite(logits).flatten(1).all(dim=1)  # [R]: a search reads nothing else of them
+    # [R]: a row holding NaN or an infinity sums to one (a search reads nothing else of them).
+    finite = torch.isfinite(logits.sum(dim=2)).all(dim=1)
     return torch.cat([finite.double()[:, None], beam_candidates(logits, device[1].float(), searches)], dim=1)
 
 
@@ -146,8 +147,13 @@ def advance_beam_requests(beams: LaunchedBeams) -> BeamOutcome:
         # first step copies the prompt from beam 0 to every other beam continuing it.
         slots, copies = continue_beams([seq.slot for seq in sequences], step.source_beams)
         outcome.moves.append(BeamMove(sequences, slots, copies, len(sequences[0].token_ids), step.next_tokens))
-        token_ids = [sequences[src].token_ids + [token] for src, token in zip(step.source_beams, step.next_tokens)]
-        for seq, ids, slot in zip(sequences, token_ids, slots):
+        # Each beam's tokens are its source's: the beam keeping its source's slot keeps its list,
+        # the others copy it (all copies made before any list grows).
+        copied = {slot for _, slot in copies}
+        token_ids = [sequences[source].token_ids[:] if slot in copied else sequences[source].token_ids
+                     for source, slot in zip(step.source_beams, slots)]
+        for seq, ids, slot, token in zip(sequences, token_ids, slots, step.next_tokens):
+            ids.append(token)
             seq.token_ids, seq.slot = ids, slot
             seq.cached = len(ids) - 1
     return outcome

@@ -463,6 +463,7 @@ class Scheduler:
         everything the cache kept: a failed step may have left any slot half-written."""
         aborted, self.running = self.running, []
         self.host_paced_running = self.beams_running = 0
+        self._beam_moves = []  # for slots no request holds any more
         self._by_first_token.clear()
         for state in aborted:
             self._release_cancelled(state)

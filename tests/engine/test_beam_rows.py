@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 import service.engine.layout as layout_module
+from service.engine.beams import continue_beams
 from service.inprocess import Engine, EngineConfig
 from tests.engine.conftest import make_request, random_prompt
 from tests.engine.test_beam import models  # noqa: F401 (fixture)
@@ -29,7 +30,7 @@ def run(engine: Engine, seen: dict) -> dict:
         # A beam needs its search's answer before its next step: never stepped while in flight.
         assert all(not seq.pending for state in plan.decode if state.beam is not None for seq in state.live)
         launched = real_execute(plan, deferred)
-        launches.append((plan, launched))
+        launches.append(launched)
         return launched
 
     def batch(plan):
@@ -72,7 +73,7 @@ def test_beams_ride_the_batched_step_and_match_generate(models, tokenizer, refer
     for result in alone:
         assert outcome(results[result.request_id]) == outcome(result)
 
-    with_beams = [launched for _, launched in seen["launches"] if launched.beams is not None]
+    with_beams = [launched for launched in seen["launches"] if launched.beams is not None]
     assert len(with_beams) >= 8
     # Several beam requests of different widths in one batched operation.
     assert max(len(launched.beams.groups) for launched in with_beams) >= 3
@@ -83,3 +84,19 @@ def test_beams_ride_the_batched_step_and_match_generate(models, tokenizer, refer
         assert launched.rows.facts.table is not None  # read as a batch
         assert launched.deferred == overlap  # overlap stays on with beams running
     assert sum(seen["ahead"]) >= (4 if overlap else 0) and (overlap or not any(seen["ahead"]))
+
+
+@pytest.mark.parametrize("sources, copies", [
+    ([0, 1, 2, 3], 0),  # every beam continues itself
+    ([2, 0, 3, 1], 0),  # a permutation: slots change hands, nothing is copied
+    ([0, 0, 0, 0], 3),  # the first step: beam 0's prompt for every beam
+    ([1, 1, 3, 0], 1),
+])
+def test_a_beam_continues_its_source_on_its_slot_and_only_duplicates_copy(sources, copies):
+    slots = [7, 3, 12, 5]
+    held, made = continue_beams(slots, sources)
+    assert sorted(held) == sorted(slots) and len(made) == copies  # the request's own slots, each once
+    copied = {dst: src for src, dst in made}
+    for beam, source in enumerate(sources):  # what each beam holds next is its source's cache
+        assert copied.get(held[beam], held[beam]) == slots[source]
+    assert not {src for src, _ in made} & {dst for _, dst in made}  # so the copies' order is free
