@@ -35,7 +35,10 @@ Use from an engine (one KV-cache slot per beam):
         logits = decode(step.next_tokens, slots)  # row i feeds step.next_tokens[i]
     hypotheses = search.finish()                  # best first, num_return_sequences of them
 
-`beam_generate` is that loop for a model and a KV cache, ready to use or to copy.
+`beam_generate` is that loop for a model and a KV cache, ready to use or to copy. `step` is two
+halves an engine batching many searches calls apart: `beam_candidates` (the vocabulary-wide work,
+for every search of a step at once, on the logits' device) and `BeamSearch.advance` (the
+bookkeeping on the host, from the few numbers that returns).
 """
 
 from __future__ import annotations
@@ -191,7 +194,6 @@ class BeamSearch:
         found = [hyp for hyp in self._finished if hyp is not None]
         return found[: self.params.num_return_sequences]
 
-    # --- internals ----------------------------------------------------------------------------
     @property
     def candidates(self) -> int:
         """K: the candidates each step keeps (2 * num_beams)."""
@@ -213,6 +215,7 @@ class BeamSearch:
             return log_probs
         return self._penalise_repeats(log_probs)
 
+    # --- internals ----------------------------------------------------------------------------
     def _penalise_repeats(self, log_probs: torch.Tensor) -> torch.Tensor:
         n, vocab = log_probs.shape
         if self._seen is None:
