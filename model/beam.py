@@ -54,6 +54,7 @@ from model.gpt2 import GPT2
 from model.kv_cache import KVCache
 from model.sampling import apply_repetition_penalty
 from model.scoring import top_n
+from model.transfer import to_device
 
 # transformers marks impossible beams with this score rather than -inf, so arithmetic on them
 # stays finite; using the same constant keeps rankings identical in the corner cases.
@@ -219,16 +220,18 @@ class BeamSearch:
     def _penalise_repeats(self, log_probs: torch.Tensor) -> torch.Tensor:
         n, vocab = log_probs.shape
         if self._seen is None:
-            prompt = torch.tensor(self.prompt_ids, device=log_probs.device)
+            prompt = to_device(self.prompt_ids, log_probs.device)
             self._seen = torch.zeros(n, vocab, dtype=torch.bool, device=log_probs.device)
             self._seen[:, prompt] = True  # [n, V]
         return apply_repetition_penalty(log_probs, self._seen, self.params.repetition_penalty)
 
     def _advance_seen(self, source_beams: list[int], next_tokens: list[int]) -> None:
+        # From pinned memory: an engine calls this while its next step runs on the device.
         device = self._seen.device
         rows = torch.arange(len(source_beams), device=device)
-        self._seen = self._seen[torch.tensor(source_beams, device=device)]  # [n, V]
-        self._seen[rows, torch.tensor(next_tokens, device=device)] = True
+        sources, tokens = to_device([source_beams, next_tokens], device)
+        self._seen = self._seen[sources]  # [n, V]
+        self._seen[rows, tokens] = True
 
     def _add_finished(
         self,
