@@ -53,7 +53,6 @@ import torch
 from model.gpt2 import GPT2
 from model.kv_cache import KVCache
 from model.sampling import apply_repetition_penalty
-from model.scoring import top_n
 from model.transfer import to_device
 
 # transformers marks impossible beams with this score rather than -inf, so arithmetic on them
@@ -309,9 +308,21 @@ def beam_candidates(logits: torch.Tensor, running: torch.Tensor, searches: list[
     k = max(search.candidates for search in searches)
     # Equal totals: the lowest (beam, token) first, whatever device or kernel runs it; so a
     # search's own K are the first K of the widest search's k, padding (-inf) last.
-    top_totals, top_flat = top_n(totals.reshape(count, width * vocab), k)  # [R, k], [R, k]
+    top_totals, top_flat = top_lowest_first(totals.reshape(count, width * vocab), k)  # [R, k], [R, k]
     top_logprobs = log_probs.reshape(count, width * vocab).gather(1, top_flat)  # [R, k]
     return torch.cat([top_totals.double(), top_logprobs.double(), top_flat.double()], dim=1)  # [R, 3k]
+
+
+def top_lowest_first(values: torch.Tensor, k: int) -> torch.Tensor:
+    """model.scoring.top_n's answer (the k largest of each row [B, W] float32, largest first,
+    equal values lowest index first) from one top-k over distinct int64 keys: each value's bits
+    made to sort as the floats do, then its index, reversed, below them."""
+    width = values.shape[-1]
+    bits = (values + 0.0).view(torch.int32)  # + 0.0: -0.0 becomes 0.0, which it equals
+    ordered = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).long()  # a negative float's other bits count down
+    keys = ordered * 2**32 + (width - 1 - torch.arange(width, device=values.device))  # [B, W]
+    index = width - 1 - torch.remainder(keys.topk(k, dim=-1).values, 2**32)  # [B, k]
+    return values.gather(1, index), index
 
 
 def split_candidates(row: np.ndarray, candidates: int) -> tuple[list[float], list[float], list[int]]:
