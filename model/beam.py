@@ -35,7 +35,10 @@ Use from an engine (one KV-cache slot per beam):
         logits = decode(step.next_tokens, slots)  # row i feeds step.next_tokens[i]
     hypotheses = search.finish()                  # best first, num_return_sequences of them
 
-`beam_generate` is that loop for a model and a KV cache, ready to use or to copy.
+`beam_generate` is that loop for a model and a KV cache, ready to use or to copy. `step` is two
+halves an engine batching many searches calls apart: `beam_candidates` (the vocabulary-wide work,
+for every search of a step at once, on the logits' device) and `BeamSearch.advance` (the
+bookkeeping on the host, from the few numbers that returns).
 """
 
 from __future__ import annotations
@@ -44,16 +47,18 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
+import numpy as np
 import torch
 
 from model.gpt2 import GPT2
 from model.kv_cache import KVCache
 from model.sampling import apply_repetition_penalty
-from model.scoring import top_n
+from model.transfer import to_device
 
 # transformers marks impossible beams with this score rather than -inf, so arithmetic on them
 # stays finite; using the same constant keeps rankings identical in the corner cases.
 NEG_SCORE = -1.0e9
+NEG_SCORE32 = np.float32(NEG_SCORE)  # exact
 
 BeamFinishReason = Literal["eos_token", "length"]
 
@@ -121,14 +126,15 @@ class BeamSearch:
         self._candidates = max(2, 1 + (params.eos_token_id is not None)) * n
         self._generated = 0  # tokens generated so far by every running beam
         self.done = False
-        # Bookkeeping over 2 * num_beams candidates is tiny: it lives on the CPU, in float32,
-        # with transformers' arithmetic; only vocab-sized work stays on the logits' device.
-        self._running_scores = torch.full((n,), NEG_SCORE)  # [num_beams]
-        self._running_scores[0] = 0.0
+        # Bookkeeping over 2 * num_beams candidates is tiny: it runs on the host, in Python over
+        # float32 values (Python floats holding them exactly, their arithmetic in numpy's float32
+        # scalars, which is torch's: a float32 divided by a Python float is divided by that float
+        # rounded to float32 in both); only vocab-sized work stays on the logits' device.
+        self._running_scores = [0.0] + [NEG_SCORE] * (n - 1)  # [num_beams]
         self._running_tokens: list[list[int]] = [[] for _ in range(n)]
         self._running_logprobs: list[list[float]] = [[] for _ in range(n)]
-        self._finished_scores = torch.full((n,), NEG_SCORE)  # [num_beams]
-        self._finished_flags = torch.zeros(n, dtype=torch.bool)  # [num_beams]
+        self._finished_scores = [NEG_SCORE] * n  # [num_beams], best first
+        self._finished_flags = [False] * n  # [num_beams]
         self._finished: list[Hypothesis | None] = [None] * n
         self._improvement_possible = True
         self._seen: torch.Tensor | None = None  # [num_beams, V] bool, for repetition_penalty
@@ -145,27 +151,35 @@ class BeamSearch:
                 f"expected logits [num_beams={n}, vocab], got {list(logits.shape)}"
                 + (" (or [1, vocab] for the first step)" if self._generated == 0 else "")
             )
-        top_totals, top_logprobs, beams, tokens = self._top_candidates(logits)
+        running = torch.tensor([self._running_scores], dtype=torch.float32)  # [1, n]
+        candidates = beam_candidates(logits.expand(n, logits.shape[-1])[None], running, [self])  # [1, 3K]
+        # One device-to-host transfer per step.
+        return self.advance(*split_candidates(candidates[0].cpu().numpy(), self.candidates), logits.shape[-1])
 
+    def advance(self, top_totals: list[float], top_logprobs: list[float], flat: list[int], vocab: int) -> BeamStep:
+        """Advance every beam by one token given this step's best candidates (`beam_candidates`,
+        computed wherever the logits are): their total scores (float32 values), their tokens' own
+        log-probs and their flat indices (beam * vocab + token), best first. Host work only."""
+        if self.done:
+            raise RuntimeError("beam search is done; call finish()")
+        params = self.params
+        n = params.num_beams
+        beams = [index // vocab for index in flat]
+        tokens = [index % vocab for index in flat]
         generated = self._generated + 1
-        hits = torch.tensor(
-            [tok == params.eos_token_id or generated >= params.max_new_tokens for tok in tokens]
-        )  # [K] bool: this candidate ends its hypothesis
-        candidates = [
-            (self._running_tokens[b] + [t], self._running_logprobs[b] + [lp])
-            for b, t, lp in zip(beams, tokens, top_logprobs)
-        ]
+        at_limit = generated >= params.max_new_tokens
+        hits = [at_limit or tok == params.eos_token_id for tok in tokens]  # [K]: it ends its hypothesis
 
         # Running beams for the next step: the best num_beams candidates that did not finish.
-        running_totals = top_totals + hits.to(torch.float32) * NEG_SCORE  # [K]
-        keep = best_first(running_totals, n).tolist()
-        self._running_scores = running_totals[keep]  # [n]
-        self._running_tokens = [candidates[k][0] for k in keep]
-        self._running_logprobs = [candidates[k][1] for k in keep]
+        running_totals = [float(np.float32(total) + NEG_SCORE32) if hit else total
+                          for total, hit in zip(top_totals, hits)]  # [K]
+        keep = best_first(running_totals, n)
         source_beams = [beams[k] for k in keep]
         next_tokens = [tokens[k] for k in keep]
-
-        self._add_finished(top_totals, hits, candidates, generated)
+        self._add_finished(top_totals, hits, beams, tokens, top_logprobs, generated)
+        self._running_scores = [running_totals[k] for k in keep]  # [n]
+        self._running_tokens = [self._running_tokens[beams[k]] + [tokens[k]] for k in keep]
+        self._running_logprobs = [self._running_logprobs[beams[k]] + [top_logprobs[k]] for k in keep]
         self._generated = generated
         self.done = self._should_stop(hits)
         if params.repetition_penalty != 1.0 and not self.done:
@@ -180,103 +194,148 @@ class BeamSearch:
         found = [hyp for hyp in self._finished if hyp is not None]
         return found[: self.params.num_return_sequences]
 
+    @property
+    def candidates(self) -> int:
+        """K: the candidates each step keeps (2 * num_beams)."""
+        return self._candidates
+
+    @property
+    def first_step(self) -> bool:
+        """No token generated yet: only beam 0 is live (its logits are the prompt's)."""
+        return self._generated == 0
+
+    @property
+    def running_scores(self) -> list[float]:
+        """[num_beams] float32 values: each running beam's score (NEG_SCORE: not live yet)."""
+        return self._running_scores
+
+    def penalise(self, log_probs: torch.Tensor) -> torch.Tensor:
+        """log_probs [num_beams, V] after repetition_penalty (unchanged without one)."""
+        if self.params.repetition_penalty == 1.0:
+            return log_probs
+        return self._penalise_repeats(log_probs)
+
     # --- internals ----------------------------------------------------------------------------
-    def _top_candidates(
-        self, logits: torch.Tensor
-    ) -> tuple[torch.Tensor, list[float], list[int], list[int]]:
-        """The best 2 * num_beams (beam, token) continuations by running score, best first.
-
-        Returns their total scores (CPU float32 [K]), their tokens' own log-probs, their beams
-        and their tokens.
-        """
-        n, vocab = self.params.num_beams, logits.shape[-1]
-        log_probs = torch.log_softmax(logits.float(), dim=-1).expand(n, vocab)  # [n, V]
-        if self.params.repetition_penalty != 1.0:
-            log_probs = self._penalise_repeats(log_probs)
-        totals = log_probs + self._running_scores.to(log_probs.device)[:, None]  # [n, V]
-        # Equal totals: the lowest (beam, token) first, whatever device or kernel runs it.
-        top_totals, top_flat = (t[0] for t in top_n(totals.reshape(1, -1), self._candidates))  # [K], [K]
-        top_logprobs = log_probs.reshape(-1)[top_flat]  # [K]
-        # One device-to-host transfer per step. float64 holds the float32 scores and the flat
-        # indices (up to num_beams * V) exactly.
-        packed = torch.stack([top_totals.double(), top_logprobs.double(), top_flat.double()])
-        packed = packed.cpu()  # [3, K]
-        flat = packed[2].long().tolist()
-        beams = [index // vocab for index in flat]
-        tokens = [index % vocab for index in flat]
-        return packed[0].float(), packed[1].tolist(), beams, tokens
-
     def _penalise_repeats(self, log_probs: torch.Tensor) -> torch.Tensor:
         n, vocab = log_probs.shape
         if self._seen is None:
-            prompt = torch.tensor(self.prompt_ids, device=log_probs.device)
+            prompt = to_device(self.prompt_ids, log_probs.device)
             self._seen = torch.zeros(n, vocab, dtype=torch.bool, device=log_probs.device)
             self._seen[:, prompt] = True  # [n, V]
         return apply_repetition_penalty(log_probs, self._seen, self.params.repetition_penalty)
 
     def _advance_seen(self, source_beams: list[int], next_tokens: list[int]) -> None:
+        # From pinned memory: an engine calls this while its next step runs on the device.
         device = self._seen.device
         rows = torch.arange(len(source_beams), device=device)
-        self._seen = self._seen[torch.tensor(source_beams, device=device)]  # [n, V]
-        self._seen[rows, torch.tensor(next_tokens, device=device)] = True
+        sources, tokens = to_device([source_beams, next_tokens], device)
+        self._seen = self._seen[sources]  # [n, V]
+        self._seen[rows, tokens] = True
 
     def _add_finished(
         self,
-        top_totals: torch.Tensor,
-        hits: torch.Tensor,
-        candidates: list[tuple[list[int], list[float]]],
+        top_totals: list[float],
+        hits: list[bool],
+        beams: list[int],
+        tokens: list[int],
+        top_logprobs: list[float],
         generated: int,
     ) -> None:
         n = self.params.num_beams
-        # Only the first num_beams candidates may finish; the rest exist so enough keep running.
-        in_top = torch.arange(hits.shape[0]) < n  # [K]
-        just_finished = hits & in_top  # [K]
-        scores = top_totals / (generated**self.params.length_penalty)  # [K]
-        scores = scores + (~just_finished).to(torch.float32) * NEG_SCORE
-        merged_scores = torch.cat([self._finished_scores, scores])  # [n + K]
-        merged_flags = torch.cat([self._finished_flags, just_finished])  # [n + K]
-        new_hyps = [
-            self._hypothesis(tokens, logprobs, float(score)) if finished else None
-            for (tokens, logprobs), score, finished in zip(
-                candidates, scores.tolist(), just_finished.tolist()
-            )
-        ]
-        merged_hyps = self._finished + new_hyps
+        divisor = np.float32(generated**self.params.length_penalty)
+        # Only the first num_beams candidates may finish; the rest exist so enough keep running
+        # (their scores, pushed down by NEG_SCORE, still take the set's empty places).
+        just_finished = [hit and k < n for k, hit in enumerate(hits)]  # [K]
+        scores = [float(np.float32(total) / divisor) if finished else float(np.float32(total) / divisor + NEG_SCORE32)
+                  for total, finished in zip(top_totals, just_finished)]  # [K]
+        merged_scores = self._finished_scores + scores  # [n + K]
         best = best_first(merged_scores, n)  # [n]: on equal scores, finished earlier first
-        self._finished_scores = merged_scores[best]
-        self._finished_flags = merged_flags[best]
-        self._finished = [merged_hyps[i] for i in best.tolist()]
+        merged_flags = self._finished_flags + just_finished
+        self._finished = [
+            self._finished[i] if i < n else
+            self._hypothesis(beams[i - n], tokens[i - n], top_logprobs[i - n], scores[i - n]) if just_finished[i - n]
+            else None
+            for i in best
+        ]
+        self._finished_scores = [merged_scores[i] for i in best]
+        self._finished_flags = [merged_flags[i] for i in best]
 
-    def _hypothesis(self, tokens: list[int], logprobs: list[float], score: float) -> Hypothesis:
+    def _hypothesis(self, beam: int, token: int, logprob: float, score: float) -> Hypothesis:
+        """The hypothesis of running beam `beam` ending with `token`."""
+        tokens, logprobs = self._running_tokens[beam] + [token], self._running_logprobs[beam] + [logprob]
         eos = self.params.eos_token_id
         reason: BeamFinishReason = "eos_token" if eos is not None and tokens[-1] == eos else "length"
         return Hypothesis(token_ids=tokens, token_logprobs=logprobs, score=score, finish_reason=reason)
 
-    def _should_stop(self, hits: torch.Tensor) -> bool:
+    def _should_stop(self, hits: list[bool]) -> bool:
         params = self.params
         if params.early_stopping == "never" and params.length_penalty > 0.0:
             best_length = params.max_new_tokens  # a longer hypothesis would score higher
         else:
             best_length = self._generated
-        best_running = self._running_scores[0] / (best_length**params.length_penalty)
-        worst_finished = torch.where(
-            self._finished_flags, self._finished_scores.min(), torch.tensor(NEG_SCORE)
-        )  # [n]: any slot still empty keeps the search going
-        self._improvement_possible = self._improvement_possible and bool(
-            (best_running > worst_finished).any()
+        best_running = float(np.float32(self._running_scores[0]) / np.float32(best_length**params.length_penalty))
+        lowest = min(self._finished_scores)
+        # Any place of the finished set still empty keeps the search going.
+        self._improvement_possible = self._improvement_possible and any(
+            best_running > (lowest if flag else NEG_SCORE) for flag in self._finished_flags
         )
-        all_finished = bool(self._finished_flags.all())
         return (
             not self._improvement_possible
-            or (all_finished and params.early_stopping is True)
-            or bool(hits.all())
+            or (all(self._finished_flags) and params.early_stopping is True)
+            or all(hits)
         )
 
 
-def best_first(scores: torch.Tensor, n: int) -> torch.Tensor:
+def beam_candidates(logits: torch.Tensor, running: torch.Tensor, searches: list[BeamSearch]) -> torch.Tensor:
+    """The best candidates of several beam searches at once, on the logits' device, as
+    transformers' `_beam_search` computes them for a batch: log_softmax of each beam's logits (in
+    float32), repetition_penalty where a search asks for it, plus the beam's running score, then
+    the top K over each search's [beams x V].
+
+    logits [R, N, V]: search r's beams in rows 0..num_beams-1 (N: the widest search; rows past a
+    search's own are padding, with a running score of -inf); running [R, N]. Returns [R, 3k]
+    float64 (k: the largest K), best first: each candidate's total score, its token's own
+    log-prob, its flat index (beam * V + token); search r's own K are the first of each third
+    (`split_candidates`). float64 holds the float32 scores and the flat indices exactly.
+    """
+    count, width, vocab = logits.shape
+    log_probs = torch.log_softmax(logits.float(), dim=-1)  # [R, N, V]
+    for row, search in enumerate(searches):
+        if search.params.repetition_penalty != 1.0:
+            beams = search.params.num_beams
+            log_probs[row, :beams] = search.penalise(log_probs[row, :beams])
+    totals = log_probs + running.to(log_probs.device, torch.float32)[:, :, None]  # [R, N, V]
+    k = max(search.candidates for search in searches)
+    # Equal totals: the lowest (beam, token) first, whatever device or kernel runs it; so a
+    # search's own K are the first K of the widest search's k, padding (-inf) last.
+    top_totals, top_flat = top_lowest_first(totals.reshape(count, width * vocab), k)  # [R, k], [R, k]
+    top_logprobs = log_probs.reshape(count, width * vocab).gather(1, top_flat)  # [R, k]
+    return torch.cat([top_totals.double(), top_logprobs.double(), top_flat.double()], dim=1)  # [R, 3k]
+
+
+def top_lowest_first(values: torch.Tensor, k: int) -> torch.Tensor:
+    """model.scoring.top_n's answer (the k largest of each row [B, W] float32, largest first,
+    equal values lowest index first) from one top-k over distinct int64 keys: each value's bits
+    made to sort as the floats do, then its index, reversed, below them."""
+    width = values.shape[-1]
+    bits = (values + 0.0).view(torch.int32)  # + 0.0: -0.0 becomes 0.0, which it equals
+    ordered = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).long()  # a negative float's other bits count down
+    keys = ordered * 2**32 + (width - 1 - torch.arange(width, device=values.device))  # [B, W]
+    index = width - 1 - torch.remainder(keys.topk(k, dim=-1).values, 2**32)  # [B, k]
+    return values.gather(1, index), index
+
+
+def split_candidates(row: np.ndarray, candidates: int) -> tuple[list[float], list[float], list[int]]:
+    """One search's row of `beam_candidates` on the host ([3k] float64, float32 values) → its
+    first `candidates`: total scores, log-probs and flat indices, as `advance` takes them."""
+    totals, logprobs, flat = row.reshape(3, -1)[:, :candidates].tolist()
+    return totals, logprobs, list(map(int, flat))
+
+
+def best_first(scores: list[float], n: int) -> list[int]:
     """Indices of the n highest of scores [K], highest first, equal ones in index order (topk
     leaves their order to its algorithm)."""
-    return scores.sort(descending=True, stable=True).indices[:n]
+    return sorted(range(len(scores)), key=lambda i: -scores[i])[:n]
 
 
 def reorder_beam_slots(cache: KVCache, slots: list[int], source_beams: list[int], length: int) -> None:

@@ -1,17 +1,37 @@
-"""Beam-search requests inside the engine: a request owns num_beams slots, one per beam.
+"""Beam-search requests inside the engine: a request owns num_beams slots, one per beam, and its
+beams are rows of the batched step like any other (drawn by the sampler, their draws unused).
 
-model/beam.py does the bookkeeping (transformers' semantics); this module connects it to the
-engine's sequences and KV-cache slots, so beam requests share batches with all others.
+A step's beams go three ways, as transformers' batched beam search does, split at the step's one
+device→host copy:
+- at launch (`launch_candidates`): every beam request's candidates in one batched operation on
+  the device (model/beam.py's `beam_candidates`: log_softmax, repetition_penalty, + running
+  scores, top 2 * num_beams over [num_beams x V]); a few numbers per request ride the sampler's
+  copy;
+- when the step is read (`advance_beam_requests`): each search's bookkeeping on the host from
+  those numbers (model/beam.py's `BeamSearch.advance`), which says which beam continues which
+  and with what token;
+- in the next plan (`apply_beam_moves`): the beams' cache reordering and their next tokens,
+  before any forward reads them.
+
+A beam request needs its search's answer before its next step: it is host-paced (it sits out the
+steps launched before its step is read; overlap stays on for the others). The beams' sequences stay
+in beam order: sequence i is beam i, whatever slot it holds.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import numpy as np
 import torch
 
-from model.beam import BeamParams, BeamSearch, reorder_beam_slots
+from model.beam import BeamParams, BeamSearch, beam_candidates, split_candidates
 from model.kv_cache import KVCache
-from service.engine.faults import RowFaultError, nonfinite
-from service.engine.requests import RequestState
+from model.transfer import to_device
+from service.engine.faults import RowFault, RowFaultError, beam_failed, nonfinite
+from service.engine.input_batch import InputBatch
+from service.engine.requests import RequestState, Sequence
+from service.engine.step_data import BeamRows, LaunchedBeams
 from service.engine.types import FinishedSequence, SamplingParams
 
 
@@ -28,30 +48,133 @@ def start_beam_search(params: SamplingParams, prompt: list[int], eos_token_id: i
     return BeamSearch(beam_params, prompt)
 
 
-def advance_beams(state: RequestState, logits: torch.Tensor, row_of: dict[int, int], cache: KVCache) -> bool:
-    """One beam-search step from this step's logits [rows, V]; True when the search is done.
+@dataclass
+class BeamMove:
+    """What a search's step asks of the next plan: beam i now holds slots[i] (each beam continues
+    its source beam on that beam's own slot where it is the first to continue it, so most steps
+    copy nothing), `copies` (source slot, slot) give the others their source's first `length`
+    cached positions, and each feeds tokens[i] next."""
 
-    The beams' sequences stay in beam order: sequence i is beam i, whatever slot it holds.
-    """
-    beams = state.sequences
-    if len(beams[0].token_ids) == beams[0].prompt_length:
-        beam_logits = logits[row_of[beams[0].slot]][None]  # [1, V]: the prompt ran once
-    else:
-        rows = torch.tensor([row_of[b.slot] for b in beams], device=logits.device)  # [num_beams]
-        beam_logits = logits[rows]  # [num_beams, V]
-    if not torch.isfinite(beam_logits).all():  # the search reads its scores on the host anyway
-        raise RowFaultError(nonfinite(len(beams[0].token_ids) - beams[0].prompt_length + 1))
-    step = state.beam.step(beam_logits)
-    if step.done:
-        return True
-    # Every beam has cached all of its tokens (the prompt, then each one fed since), and the
-    # first step's reorder copies the prompt from beam 0 to every beam continuing it.
-    reorder_beam_slots(cache, [b.slot for b in beams], step.source_beams, len(beams[0].token_ids))
-    token_ids = [beams[src].token_ids + [token] for src, token in zip(step.source_beams, step.next_tokens)]
-    for beam, ids in zip(beams, token_ids):
-        beam.token_ids = ids
-        beam.cached = len(ids) - 1
-    return False
+    sequences: list[Sequence]
+    slots: list[int]
+    copies: list[tuple[int, int]]
+    length: int
+    tokens: list[int]
+
+
+def continue_beams(slots: list[int], sources: list[int]) -> tuple[list[int], list[tuple[int, int]]]:
+    """Beam i continues beam sources[i] (slots: each beam's slot now): the slot each beam holds
+    next and the copies that fill those that are not their source's own. A source continued by
+    several beams keeps its slot for the first; the others take the slots of beams nobody
+    continues (never a copy's source, so the copies' order is free)."""
+    claimed, continued = [False] * len(slots), set(sources)
+    free = [slot for beam, slot in enumerate(slots) if beam not in continued]
+    held, copies = [], []
+    for source in sources:
+        if not claimed[source]:
+            claimed[source] = True
+            held.append(slots[source])
+        else:
+            slot = free.pop()
+            held.append(slot)
+            copies.append((slots[source], slot))
+    return held, copies
+
+
+def beam_groups(sampled: list[tuple[RequestState, Sequence]], among: list[int] | None = None) -> list[BeamRows]:
+    """The beam requests of a step's sampled rows (`among`: the only rows that may be beams,
+    when known), each with its rows in beam order."""
+    groups: dict[int, list[tuple[int, int]]] = {}
+    states: dict[int, RequestState] = {}
+    for row in range(len(sampled)) if among is None else among:
+        state, seq = sampled[row]
+        if state.beam is not None:
+            groups.setdefault(id(state), []).append((seq.index, row))
+            states[id(state)] = state
+    return [BeamRows(states[key], [row for _, row in sorted(rows)]) for key, rows in groups.items()]
+
+
+def launch_candidates(step_logits: torch.Tensor, groups: list[BeamRows]) -> torch.Tensor:
+    """[R, 1 + 3k] float64 on the device, one row per group: whether its logits were all finite,
+    then its candidates (`beam_candidates`). `step_logits`: [B, V], one row per sampled row."""
+    searches = [group.state.beam for group in groups]
+    width = max(search.params.num_beams for search in searches)
+    # Row indices and running scores in one host→device copy (float64 holds both exactly).
+    host = np.empty((2, len(groups), width), dtype=np.float64)
+    host[1] = -np.inf  # padding: never a candidate
+    for i, (group, search) in enumerate(zip(groups, searches)):
+        beams = search.params.num_beams
+        # The first step expands the prompt's row (beam 0's) over every beam, as transformers does.
+        host[0, i] = group.rows[0] if search.first_step else group.rows + group.rows[:1] * (width - beams)
+        host[1, i, :beams] = search.running_scores
+    device = to_device(host, step_logits.device, torch.float64)
+    logits = step_logits[device[0].long()]  # [R, N, V]
+    # [R]: a row holding NaN or an infinity sums to one (a search reads nothing else of them).
+    finite = torch.isfinite(logits.sum(dim=2)).all(dim=1)
+    return torch.cat([finite.double()[:, None], beam_candidates(logits, device[1].float(), searches)], dim=1)
+
+
+@dataclass
+class BeamOutcome:
+    """What the searches' steps said: the next plan's moves, the searches done, those failed."""
+
+    moves: list[BeamMove]
+    done: list[RequestState]
+    failed: list[tuple[RequestState, RowFault]]
+
+
+def advance_beam_requests(beams: LaunchedBeams) -> BeamOutcome:
+    """Each search's step from its candidates, read with the step. A search that fails (its
+    logits not finite, or raising) is reported alone; its beams are left as they were."""
+    outcome = BeamOutcome([], [], [])
+    for group, row in zip(beams.groups, beams.candidates.numpy()):
+        state = group.state
+        sequences = state.sequences
+        if sequences[0].finish_reason is not None:  # ended (failed, cancelled) since its step was launched
+            continue
+        search = state.beam
+        try:
+            if not row[0]:
+                raise RowFaultError(nonfinite(len(sequences[0].token_ids) - sequences[0].prompt_length + 1))
+            step = search.advance(*split_candidates(row[1:], search.candidates), beams.vocab)
+        except Exception as exc:
+            outcome.failed.append((state, exc.fault if isinstance(exc, RowFaultError) else beam_failed(exc)))
+            continue
+        if step.done:  # finish() gives each hypothesis its reason
+            outcome.done.append(state)
+            continue
+        # Every beam has cached all of its tokens (the prompt, then each one fed since); the
+        # first step copies the prompt from beam 0 to every other beam continuing it.
+        slots, copies = continue_beams([seq.slot for seq in sequences], step.source_beams)
+        outcome.moves.append(BeamMove(sequences, slots, copies, len(sequences[0].token_ids), step.next_tokens))
+        # Each beam's tokens are its source's: the beam keeping its source's slot keeps its list,
+        # the others copy it (all copies made before any list grows).
+        copied = {slot for _, slot in copies}
+        token_ids = [sequences[source].token_ids[:] if slot in copied else sequences[source].token_ids
+                     for source, slot in zip(step.source_beams, slots)]
+        for seq, ids, slot, token in zip(sequences, token_ids, slots, step.next_tokens):
+            ids.append(token)
+            seq.token_ids, seq.slot = ids, slot
+            seq.cached = len(ids) - 1
+    return outcome
+
+
+def apply_beam_moves(cache: KVCache, batch: InputBatch, moves: list[BeamMove]) -> None:
+    """The searches' moves, before anything else of the plan (packing moves and prefix copies
+    read the slots as the searches left them): the copies, who holds each slot, and the token
+    each beam's next decode feeds (from `last_tokens`)."""
+    # One copy for every search: each one's copies stay within its own slots, and a position past
+    # a search's own length is one no row of it reads before writing it.
+    copies = [copy for move in moves for copy in move.copies]
+    if copies:
+        cache.copy_slots([source for source, _ in copies], [slot for _, slot in copies], max(m.length for m in moves))
+    for move in moves:
+        for seq, slot in zip(move.sequences, move.slots):
+            batch.hold(slot, seq)
+    slots = [slot for move in moves for slot in move.slots]
+    tokens = [token for move in moves for token in move.tokens]
+    index, values = to_device([slots, tokens], batch.last_tokens.device)
+    batch.last_tokens[index] = values
 
 
 def beam_results(state: RequestState) -> list[FinishedSequence]:

@@ -4,8 +4,8 @@ vLLM v1's EngineCore.step:
 - schedule: the Scheduler (scheduler.py) admits waiting requests into free KV-cache slots, says
   who decodes and which prompt chunks run: one StepPlan down;
 - execute: the ModelRunner (runner.py) applies the plan to its input batch and cache, runs the
-  forwards (prefill, decode), samples every row outside beam search and queues one device→host
-  copy: one LaunchedStep;
+  forwards (prefill, decode), samples every row, computes the beam searches' candidates and
+  queues one device→host copy: one LaunchedStep;
 - update: the scheduler reads the launched step's tokens (step_reader.py: append, EOS, stops,
   length), finishes and fails requests: one StepResults up, sent as one CoreStep.
 
@@ -13,8 +13,8 @@ With overlap (CUDA) step n + 1 is executed before step n's tokens are read, what
 request that needs its last token on the host to plan its step (a draft, a beam) sits out the
 steps launched before that token was read; a grammar's rows do not: their step's forwards are
 queued, step n is read, and then their masks are computed and the step's draw queued. The scheduler and the
-runner never call each other: this loop passes the plan down and the tokens up. Beam search still
-reads its logits on the host between execute and update (the step's device work is waited for).
+runner never call each other: this loop passes the plan down and the tokens up. A beam search's
+candidates come up with the tokens; its bookkeeping runs in update (service/engine/beams.py).
 
 Token ids only: text, stop strings and response assembly belong to the HTTP side
 (service/http/outputs.py). No HTTP, no asyncio, no IPC here: service/engine/process.py runs it in
@@ -28,21 +28,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch
-
 from model.gpt2 import GPT2
 from model.kv_cache import KVCache
 from service.engine.adapters import ServedAdapters
-from service.engine.beams import advance_beams
-from service.engine.faults import RowFaultError, beam_failed
 from service.engine.grammar import Grammars
 from service.engine.ngram_drafter import NgramSettings
-from service.engine.requests import RequestState
 from service.engine.runner import ModelRunner
 from service.engine.scheduler import Scheduler
 from service.engine.step_data import LaunchedStep
 from service.engine.step_reader import StepResults
-from service.engine.faults import NONFINITE
 from service.engine.types import CoreStep, GenerationRequest, RequestFailed, StepStats
 
 log = logging.getLogger(__name__)
@@ -133,7 +127,7 @@ class EngineCore:
         scheduler, runner = self.scheduler, self.runner
         try:
             # Overlap: this step is launched before the previous one's tokens are read. A request
-            # that needs its last token on the host to build its next step (a grammar, a draft)
+            # that needs its last token on the host to build its next step (a draft, a beam)
             # sits out the steps launched before that token is read (Scheduler.schedule).
             previous, self._launched = self._launched, None
             if self.grammars is not None and scheduler.waiting_count:
@@ -149,8 +143,6 @@ class EngineCore:
             launched = None
             if plan.prefill or plan.decode:
                 launched = runner.execute(plan, deferred)
-                if launched.logits is not None:
-                    self._advance_beams(launched)
                 if deferred:
                     scheduler.in_flight(launched)
                 launched.releases = scheduler.releases
@@ -195,26 +187,6 @@ class EngineCore:
         self.scheduler.update_from_output(launched, self.runner.read(launched), results)
         if launched.rows.drafted:
             self.runner.after_read(launched)
-
-    def _advance_beams(self, launched: LaunchedStep) -> None:
-        """One beam-search step for each beam request of the step; a search that fails (its logits
-        not finite, or raising) ends that request alone, when the step is read."""
-        logits, launched.logits = launched.logits, None
-        with torch.inference_mode():
-            for state in launched.active:
-                if state.beam is None:
-                    continue
-                try:
-                    done = advance_beams(state, logits, launched.rows.row_of, self.cache)
-                except Exception as exc:
-                    fault = exc.fault if isinstance(exc, RowFaultError) else beam_failed(exc)
-                    self.scheduler.end_failed(state, scrub=fault.cause == NONFINITE)
-                    launched.failed.append((state, fault))
-                    continue
-                if done:
-                    for beam in state.sequences:  # finish() gives each hypothesis its reason
-                        self.scheduler.release_sequence(beam, "length", state)
-                    launched.ended.append(state)
 
     def free_unloaded_adapters(self) -> None:
         """Free the adapters being unloaded that no request uses any more: after each step, and

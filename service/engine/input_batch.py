@@ -33,6 +33,11 @@ from service.engine.row_features import (
 from service.engine.slot_controls import SlotControls
 from service.engine.slot_params import SlotParams
 from service.engine.step_data import EOS, LAST, LENGTH, PROMPT_LENGTH, RowFacts
+from service.engine.types import SamplingParams
+
+
+# A beam's row in the tables: no sampling stage, no control, nothing to stop on or report.
+BEAM_ROW = SamplingParams()
 
 
 class InputBatch:
@@ -63,14 +68,16 @@ class InputBatch:
 
     def add(self, state: RequestState, seq: Sequence) -> None:
         """A sequence starts on its slot."""
-        params, slot, eos = state.params, seq.slot, self.eos_token_id
-        if state.beam is None:  # a beam search chooses its own tokens: no sampling tables
-            prompt = state.request.prompt_ids
-            self.params.write(slot, params, prompt, seq.seed)
-            self.controls.write(slot, params, prompt)
+        slot, eos = seq.slot, self.eos_token_id
+        # A beam's row is drawn greedily, with no sampling stage, and its draw left unused: its
+        # search chooses its token (service/engine/beams.py) and reads it with Python of its own.
+        params = state.params if state.beam is None else BEAM_ROW
+        prompt = state.request.prompt_ids
+        self.params.write(slot, params, prompt, seq.seed)
+        self.controls.write(slot, params, prompt)
         bits = sum(1 << bit for bit, used in enumerate(features_of(params)) if used)
         stops = params.stop_token_ids
-        if seq.drafter is not None or len(stops) > MAX_STOP_IDS:
+        if seq.drafter is not None or state.beam is not None or len(stops) > MAX_STOP_IDS:
             bits |= PER_ROW_BIT
         if params.top_logprobs > 0:
             bits |= ALTERNATIVES_BIT
@@ -79,14 +86,19 @@ class InputBatch:
             if stops and len(stops) <= MAX_STOP_IDS:
                 self.stop_ids[slot, : len(stops)] = stops
                 bits |= STOP_IDS_BIT
-        prompt_length = seq.prompt_length
-        self.table[slot] = (prompt_length + params.max_new_tokens - 1, prompt_length, -1 if params.ignore_eos else eos,
+        prompt_length, own = seq.prompt_length, state.params
+        self.table[slot] = (prompt_length + own.max_new_tokens - 1, prompt_length, -1 if own.ignore_eos else eos,
                             len(seq.token_ids))
         self.seq[slot], self.state[slot] = seq, state
         self.request_id[slot] = state.request.request_id
         self.index[slot] = seq.index
         self.bits[slot], self.ngram[slot], self.top_logprobs[slot] = bits, params.no_repeat_ngram_size, params.top_logprobs
         self.per_row[slot], self.constrained[slot] = bool(bits & PER_ROW_BIT), seq.matcher is not None
+
+    def hold(self, slot: int, seq: Sequence) -> None:
+        """`seq` now holds `slot`, one of its request's (a beam continuing another on its slot:
+        every per-slot value but who holds it is its request's, the same on each)."""
+        self.seq[slot], self.index[slot] = seq, seq.index
 
     def move(self, src: int, dst: int) -> None:
         self.params.move(src, dst)

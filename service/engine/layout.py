@@ -4,10 +4,10 @@ queued (on CUDA a host→device copy waits for queued work, so making them after
 launched would stall the host until they finish).
 
 Two ways to the same layout: from the input batch (service/engine/input_batch.py) when enough run
-for array operations to pay (grammars, drafters and the sequences verifying a draft among them:
-those sequences' 1 + k rows come after the others, which are laid out as in a step without
-drafts); row by row from the sequences otherwise (a beam search, few rows). This is the one place
-that chooses.
+for array operations to pay (grammars, drafters, beam searches and the sequences verifying a draft
+among them: those sequences' 1 + k rows come after the others, which are laid out as in a step
+without drafts); row by row from the sequences otherwise (few rows). This is the one place that
+chooses.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import torch
 
 from model.kv_cache import KVCache
 from model.transfer import to_device
+from service.engine.beams import beam_groups
 from service.engine.input_batch import InputBatch
 from service.engine.requests import Sequence, StepPlan
 from service.engine.step_data import StepRows
@@ -44,11 +45,13 @@ class StepLayout:
         # those that do took the next free slots, sampled row b is logits row b and slot b for
         # every b: the read path without gathers. (A prompt admitted into a slot a finished
         # sequence left inside the batch, the usual case under heavy churn, still gathers.)
-        # A beam chooses its own tokens: rows of its own. A grammar's rows draw like any other; a
-        # draft's 1 + k rows follow the other decoding rows (`_batch`).
-        if plan.beams or plan.running < BATCHED_ROWS:
-            return self._each(plan)
-        return self._batch(plan)
+        # A grammar's rows, a beam's (whose search chooses its token from the step's candidates:
+        # service/engine/beams.py) draw like any other; a draft's 1 + k rows follow the other
+        # decoding rows (`_batch`).
+        rows = self._each(plan) if plan.running < BATCHED_ROWS else self._batch(plan)
+        if plan.beams:  # drawn like any row, their draws unused: their searches' candidates instead
+            rows.beams = beam_groups(rows.sampled, rows.facts.own)
+        return rows
 
     def _batch(self, plan: StepPlan) -> StepRows:
         """Every row draws one token from the sampler: who holds each slot and its length come from
@@ -133,8 +136,6 @@ class StepLayout:
         by_slot = sorted([(seq.slot, state, seq) for state in plan.decode for seq in state.live])  # slots are unique
         decoding = [seq for _, _, seq in by_slot]
         sampled = [(state, seq) for _, state, seq in by_slot]
-        if plan.host_paced:  # beams among them, perhaps: they choose their own tokens
-            sampled = [(state, seq) for state, seq in sampled if state.beam is None]
         drafted = [seq for seq in decoding if seq.draft] if self.speculative else []
         if not drafted:
             # Comprehensions, not a loop of appends: this runs over every row of every step.
@@ -150,7 +151,7 @@ class StepLayout:
         for index, chunk in enumerate(plan.prefill):
             if chunk.completes:
                 row_of.update((seq.slot, row + index) for seq in chunk.state.sequences)
-        sampled += [(state, seq) for state in plan.completing if state.beam is None for seq in state.live]
+        sampled += [(state, seq) for state in plan.completing for seq in state.live]
         if not drafted:
             slots = [seq.slot for _, seq in sampled]
             logit_rows = [row_of[slot] for slot in slots]
@@ -166,8 +167,8 @@ class StepLayout:
                 if not seq.draft:
                     undrafted.append(row)
         host = np.array([logit_rows, slots, counters], dtype=np.int64).reshape(3, len(slots))
-        # With no beam or draft the decode rows are the first sampled ones, each feeding the token
-        # the sampler left on the device for its slot.
+        # With no host-paced row or draft the decode rows are the first sampled ones, each feeding
+        # the token the sampler left on the device for its slot.
         from_device = not (plan.host_paced or drafted)
         rows = self._rows(decoding, row_of, sampled, host, slots, logit_rows, drafted, from_device, batched=False)
         if drafted:

@@ -147,3 +147,6 @@ class StepPlan:
     host_paced: int = 0
     beams: int = 0  # of which beam searches
     sitting_out: list[int] = field(default_factory=list)  # slots of host-paced sequences not stepped
+    # What the beam searches read since the last plan ask of the cache and the batch, before
+    # anything else (service/engine/beams.py's BeamMove).
+    beam_moves: list = field(default_factory=list)

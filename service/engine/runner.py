@@ -3,8 +3,9 @@ ModelRunner). It owns what the device holds for the running sequences: the KV ca
 persistent input batch (every per-slot value), the layout of a step's rows, the forwards (prefill,
 decode: static shapes and CUDA graphs where asked) and the sampler.
 
-- `prepare(plan)`: slots to zero, packing moves and prefix copies in the cache, and the plan's
-  admitted sequences written into the input batch (on their slots after the moves);
+- `prepare(plan)`: beam searches' reordering, slots to zero, packing moves and prefix copies in
+  the cache, and the plan's admitted sequences written into the input batch (on their slots
+  after the moves);
 - `execute(plan)`: rows laid out, the forwards and the sampling queued, and the one device→host
   copy of what was drawn (read later with `read`: the core's overlap); where a grammar's mask
   waits for the step before to be read, the sampling is queued by `draw` once it is;
@@ -24,6 +25,7 @@ from model.kv_cache import KVCache, SlotBatch
 from model.lora import LoraRows
 from model.transfer import to_device
 from service.engine.adapters import ServedAdapters
+from service.engine.beams import apply_beam_moves
 from service.engine.faults import NonfiniteInjection
 from service.engine.forward import forward_from
 from service.engine.grammar import Grammars
@@ -64,6 +66,8 @@ class ModelRunner:
         """The plan's changes to the cache and the batch, even in a step with nothing to run: with
         overlap, a sequence whose last token is still in flight is packed but not stepped."""
         with torch.inference_mode():
+            if plan.beam_moves:  # as the searches left the slots, before packing or copies read them
+                apply_beam_moves(self.cache, self.batch, plan.beam_moves)
             if plan.scrub:  # first: a slot zeroed here may be a move's or an admission's target
                 self.cache.scrub(plan.scrub)
             for src, dst, length, swap in plan.moves:
@@ -75,15 +79,13 @@ class ModelRunner:
                 self.batch.add(state, seq)
 
     def execute(self, plan: StepPlan, deferred: bool) -> LaunchedStep:
-        """Queue the step's model work and sampling; with beams or drafts, it also waits for it.
+        """Queue the step's model work and sampling (and its beam searches' candidates).
         `deferred`: its tokens are read after the next step is launched."""
         completing = plan.completing
         with torch.inference_mode():
             rows = self.layout.layout(plan)
             logits = self._run(plan, rows)
             launched = self.sampler.launch(logits, rows, completing + plan.decode, completing, deferred)
-        if plan.beams:  # they read the step's logits themselves
-            launched.logits = logits
         # One draw each (a drafted sequence's length is set once its tokens are read).
         self.batch.drew(rows.facts.slots, rows.in_slot_order, repeated=bool(rows.drafted))
         return launched

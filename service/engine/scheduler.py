@@ -22,7 +22,7 @@ import numpy as np
 
 from model.kv_cache import KVCache
 from model.lora import BASE
-from service.engine.beams import beam_results, start_beam_search
+from service.engine.beams import BeamMove, advance_beam_requests, beam_results, start_beam_search
 from service.engine.faults import RowFault
 from service.engine.grammar import Grammars
 from service.engine.ngram_drafter import NgramSettings
@@ -94,6 +94,7 @@ class Scheduler:
         self.speculative = speculative
         self.reader = StepReader(self, eos_token_id)
         self._scrub: list[int] = []  # slots freed after non-finite values, for the next plan
+        self._beam_moves: list[BeamMove] = []  # what the beam searches read ask of the next plan
         self.max_waiting = max_waiting
         self.max_prefill_tokens = max_prefill_tokens
         self.prefix = PrefixCache(prefix_caching)
@@ -211,10 +212,11 @@ class Scheduler:
                 for seq in state.sequences[1:]:
                     seq.cached = len(seq.token_ids)
         scrub, self._scrub = self._scrub, []
+        beam_moves, self._beam_moves = self._beam_moves, []
         plan = StepPlan(chunks, decode, cancelled, moves, copies, [chunk.state for chunk in chunks if chunk.completes],
                         sum(chunk.end - chunk.start for chunk in chunks), sum(s.reused for s in admitted), admitted,
                         scrub, running=len(self.running), host_paced=self.host_paced_running, beams=self.beams_running,
-                        sitting_out=[seq.slot for state in sitting_out for seq in state.live])
+                        sitting_out=[seq.slot for state in sitting_out for seq in state.live], beam_moves=beam_moves)
         if self.speculative is not None and paced:  # drafters are host-paced
             # The batch a draft token is priced against: every running sequence (held slots: a
             # count, not a pass over the rows), those sitting this step out too (they run the next).
@@ -372,6 +374,8 @@ class Scheduler:
             if not s.reported
         ]
         self.reader.read(launched, host, results)
+        if launched.beams is not None:
+            self._advance_beams(launched)
         # Only requests a sequence of which ended here can be done: no pass over every row.
         if launched.failed:  # before the finished: a failed request is never also done
             results.failed += self._fail(launched.failed)
@@ -379,6 +383,18 @@ class Scheduler:
         if finished:
             results.done += [self.finish(state) for state in finished]
             self.leave(finished)
+
+    def _advance_beams(self, launched: LaunchedStep) -> None:
+        """The beam searches' steps from the candidates read with the launched step: the moves
+        they ask of the next plan, the searches done, those failed (each alone)."""
+        outcome = advance_beam_requests(launched.beams)
+        self._beam_moves += outcome.moves
+        for state in outcome.done:
+            for seq in state.sequences:
+                self.release_sequence(seq, "length", state)
+            launched.ended.append(state)
+        for state, fault in outcome.failed:
+            self.reader.fail(state, fault, launched)
 
     def _fail(self, failures: list[tuple[RequestState, RowFault]]) -> list[RequestFailed]:
         """Requests whose own rows failed leave (their sequences already ended) and are answered
@@ -454,6 +470,7 @@ class Scheduler:
         everything the cache kept: a failed step may have left any slot half-written."""
         aborted, self.running = self.running, []
         self.host_paced_running = self.beams_running = 0
+        self._beam_moves = []  # for slots no request holds any more
         self._by_first_token.clear()
         for state in aborted:
             self._release_cancelled(state)

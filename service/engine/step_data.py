@@ -46,6 +46,24 @@ class RowFacts:
 
 
 @dataclass
+class BeamRows:
+    """One beam request's rows among a step's sampled rows, in beam order."""
+
+    state: RequestState
+    rows: list[int]
+
+
+@dataclass
+class LaunchedBeams:
+    """A launched step's beam requests and, once it is read, their candidates on the host
+    (service/engine/beams.py)."""
+
+    groups: list[BeamRows]
+    candidates: torch.Tensor  # [R, 1 + 3k] float64, a view of the step's host copy
+    vocab: int
+
+
+@dataclass
 class StepRows:
     """The layout of one step's logits, known before the forwards run."""
 
@@ -78,6 +96,8 @@ class StepRows:
     logits_in_order: bool = False
     # In a step verifying drafts: the sampled rows of the sequences without one (one row each).
     undrafted: list[int] | np.ndarray = field(default_factory=list)
+    # The beam requests among the sampled rows (their draws unused: service/engine/beams.py).
+    beams: list[BeamRows] = field(default_factory=list)
 
 
 
@@ -94,8 +114,8 @@ class LaunchedStep:
     # Read after the next step was launched (overlap): its rows count as pending meanwhile (the
     # next step feeds their tokens from the device).
     deferred: bool = False
-    # Requests a sequence of which ended in this step (beams at launch, the rest when read):
-    # the only ones that can have finished.
+    # Requests a sequence of which ended in this step (found when it is read): the only ones
+    # that can have finished.
     ended: list[RequestState] = field(default_factory=list)
     # The scheduler's count of ended sequences once it was launched: unchanged when its tokens
     # are read, none of its rows can have ended in between.
@@ -103,15 +123,16 @@ class LaunchedStep:
     # Sampled rows already known to have failed at launch (a grammar's mask), by row: their
     # requests end with these faults when the step is read.
     faults: dict[int, RowFault] = field(default_factory=dict)
-    # Requests that failed at launch (a beam search's step), already ended in the scheduler.
+    # Requests failed by this step's rows (a grammar's mask, logits not finite, a beam search),
+    # once it is read; already ended in the scheduler.
     failed: list[tuple[RequestState, RowFault]] = field(default_factory=list)
-    # The step's logits [rows, V], kept only while a host-paced request runs (beams read theirs).
-    logits: torch.Tensor | None = None
     # Logits whose draw waits for the step before to be read (a constrained row's last token is in
     # flight: StepSampler.launch); None once drawn.
     awaiting: torch.Tensor | None = None
     # Chaos tests only: each row's (seed, draw) for the non-finite injection, taken at launch.
     injected: list[tuple[int | None, int]] | None = None
+    # Its beam requests' candidates, which ride the sampler's copy (service/engine/beams.py).
+    beams: LaunchedBeams | None = None
 
 
 def alternatives(row: list[float], n: int, wanted: int) -> TopLogprobs | None:

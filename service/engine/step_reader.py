@@ -57,7 +57,7 @@ class StepReader:
         report them. The requests a sequence of which ended are added to `launched.ended`."""
         if launched.faults or (len(host) and not np.isfinite(host[:, 1]).all()):  # a failing step alone
             self._fail_faulty(launched, host)
-        # Row by row where the layout was (a beam search, a step verifying drafts, few rows).
+        # Row by row where the layout was (a step verifying drafts, few rows).
         if launched.rows.facts.table is None:
             self._each(launched, host.tolist(), results)
         else:
@@ -181,6 +181,8 @@ class StepReader:
     def _read_sequence(self, launched: LaunchedStep, state: RequestState, seq: Sequence, rows: list[list[float]],
                        results: StepResults) -> None:
         """One sequence's rows of the step (1 + k with a draft of k)."""
+        if state.beam is not None:  # its search reads the step (service/engine/beams.py), not its draw
+            return
         n = launched.alternatives
         if not seq.draft and seq.drafter is None:  # one token, no draft to judge
             row = rows[0]

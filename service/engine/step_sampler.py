@@ -15,11 +15,12 @@ import torch
 from model.sampling import choose_tokens
 from model.scoring import top_alternatives
 from model.transfer import to_device
+from service.engine.beams import launch_candidates
 from service.engine.faults import NonfiniteInjection, grammar_failed
 from service.engine.grammar import Grammars
 from service.engine.input_batch import InputBatch
 from service.engine.requests import RequestState, Sequence
-from service.engine.step_data import LaunchedStep, StepRows
+from service.engine.step_data import LaunchedBeams, LaunchedStep, StepRows
 
 
 class StepSampler:
@@ -95,9 +96,17 @@ class StepSampler:
         # The sampler's one device→host copy: tokens, their log-probs and alternatives together
         # (float64 holds every token id exactly). [B, 2 + 2n]. Queued, not waited for: on CUDA
         # the host goes on (non_blocking lands in pinned memory) and `read` waits for the event.
-        launched.sampled = torch.cat(columns, dim=1).to("cpu", non_blocking=True)
+        drawn = torch.cat(columns, dim=1)
+        candidates = launch_candidates(step_logits, rows.beams) if rows.beams else None  # [R, 1 + 3k]
+        if candidates is not None:  # the beam searches' candidates ride the same copy
+            host = torch.cat([drawn.reshape(-1), candidates.reshape(-1)]).to("cpu", non_blocking=True)
+            sampled, beams = host.split([drawn.numel(), candidates.numel()])
+            launched.sampled = sampled.view(drawn.shape)
+            launched.beams = LaunchedBeams(rows.beams, beams.view(candidates.shape), step_logits.shape[-1])
+        else:
+            launched.sampled = host = drawn.to("cpu", non_blocking=True)
         launched.alternatives, launched.faults = n, faults
-        if launched.sampled.device != logits.device and logits.device.type == "cuda":
+        if host.device != logits.device and logits.device.type == "cuda":
             launched.ready = torch.cuda.Event()
             launched.ready.record()
         return launched

@@ -169,14 +169,14 @@ def test_a_grammar_llguidance_cannot_mask_fails_alone(make_engine, alone):
 def test_a_beam_search_that_raises_fails_alone(make_engine, monkeypatch, alone):
     from model.beam import BeamSearch
 
-    step = BeamSearch.step
+    advance = BeamSearch.advance
 
-    def breaking(self, logits):
+    def breaking(self, *candidates):
         if self.params.num_beams == 4:  # the hostile request's width; the bystander's is 3
             raise RuntimeError("injected beam failure")
-        return step(self, logits)
+        return advance(self, *candidates)
 
-    monkeypatch.setattr(BeamSearch, "step", breaking)
+    monkeypatch.setattr(BeamSearch, "advance", breaking)
     hostile = make_request(random_prompt(6, seed=80), "hostile", max_new_tokens=6, num_beams=4)
     finished, failed = run(make_engine(), bystanders() + [hostile])
     assert list(failed) == ["hostile"] and failed["hostile"].cause == "beam_search"
@@ -185,11 +185,18 @@ def test_a_beam_search_that_raises_fails_alone(make_engine, monkeypatch, alone):
 
 
 def test_non_finite_beam_logits_fail_the_beam_request_alone(make_engine, monkeypatch, alone):
-    import service.engine.core as core_module
+    """Non-finite logits that only the search reads (its rows' draws, unused, see finite ones)."""
+    import service.engine.step_sampler as sampler_module
 
-    advance = core_module.advance_beams
-    monkeypatch.setattr(core_module, "advance_beams", lambda state, logits, *rest: advance(
-        state, logits * math.nan if state.params.num_beams == 4 else logits, *rest))
+    launch = sampler_module.launch_candidates
+
+    def poisoned(step_logits, groups):
+        rows = [row for group in groups if group.state.params.num_beams == 4 for row in group.rows]
+        step_logits = step_logits.clone()
+        step_logits[rows] = math.nan
+        return launch(step_logits, groups)
+
+    monkeypatch.setattr(sampler_module, "launch_candidates", poisoned)
     hostile = make_request(random_prompt(6, seed=81), "hostile", max_new_tokens=6, num_beams=4)
     finished, failed = run(make_engine(), bystanders() + [hostile])
     assert list(failed) == ["hostile"] and failed["hostile"].cause == "nonfinite_logits"
