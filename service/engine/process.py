@@ -210,8 +210,8 @@ class CoreLoop:
                 self.deadline = time.monotonic() + message.timeout
 
     def _send(self, step: CoreStep) -> None:
-        if self.owners is None:
-            self._send_to(0, CoreOutput(step))
+        if self.owners is None:  # the one HTTP process is our parent: each step's message goes there
+            self.outputs[0].send(encoder.encode(CoreOutput(step)))
             return
         for client, part in enumerate(self.owners.split(step)):
             self._send_to(client, CoreOutput(part))
