@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from model.gpt2 import GPT2
-from model.kv_cache import KVCache
+from model.kv_cache import BLOCK_SIZE, KVCache, blocks_for, bytes_per_token
 from service.engine.adapters import ServedAdapters
 from service.engine.beams import advance_beams
 from service.engine.faults import RowFaultError, beam_failed
@@ -47,10 +47,20 @@ from service.engine.types import CoreStep, GenerationRequest, RequestFailed, Ste
 log = logging.getLogger(__name__)
 
 
+# The service's default KV budget, in full-context sequences: the bytes its default of 16 fixed
+# slots took before the cache was paged (--kv-cache-bytes sets it).
+DEFAULT_KV_CACHE_SEQUENCES = 16
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     max_slots: int = 8  # sequences decoded together; KV-cache rows
     max_len: int | None = None  # tokens per sequence (prompt + new); default: the model's context
+    # The KV cache's memory budget: its block pool holds this many bytes of keys and values;
+    # None: kv_cache_sequences sequences of max_len tokens (default max_slots of them, what a
+    # cache of fixed slots took). max_slots bounds the sequences running, the budget their tokens.
+    kv_cache_bytes: int | None = None
+    kv_cache_sequences: int | None = None
     max_waiting: int = 64  # requests queued beyond the running ones; more raise QueueFull
     # Prompt tokens one step prefills; a longer prompt is prefilled
     # in chunks of at most this many, between the decode steps of the running sequences.
@@ -72,6 +82,20 @@ class EngineConfig:
     overlap: bool | None = None
 
 
+def kv_blocks(engine: EngineConfig, max_len: int, config, dtype: torch.dtype) -> int | None:
+    """Blocks the engine's KV budget holds (None: the cache's default, max_slots full rows)."""
+    per_block = bytes_per_token(config, dtype) * BLOCK_SIZE
+    if engine.kv_cache_bytes is not None:
+        budget = engine.kv_cache_bytes
+    elif engine.kv_cache_sequences is not None:
+        budget = engine.kv_cache_sequences * blocks_for(max_len) * per_block
+    else:
+        return None
+    if budget < per_block:
+        raise ValueError(f"a KV cache of {budget} bytes holds no block of {BLOCK_SIZE} positions ({per_block} bytes)")
+    return budget // per_block
+
+
 class EngineCore:
     def __init__(
         self,
@@ -90,7 +114,8 @@ class EngineCore:
         self.device = model.device
         self.clock = clock
         max_len = config.max_len or model.config.n_positions
-        self.cache = KVCache(model.config, config.max_slots, max_len, self.device, model.dtype)
+        self.cache = KVCache(model.config, config.max_slots, max_len, self.device, model.dtype,
+                             num_blocks=kv_blocks(config, max_len, model.config, model.dtype))
         self.scheduler = Scheduler(self.cache, config.max_waiting, config.max_prefill_tokens, eos_token_id,
                                    config.prefix_caching, grammars, config.speculative)
         self.runner = ModelRunner(self.model, self.cache, eos_token_id, grammars, config.speculative,

@@ -20,9 +20,10 @@ from operator import attrgetter
 
 import numpy as np
 
-from model.kv_cache import KVCache
+from model.kv_cache import KVCache, blocks_for
 from model.lora import BASE
 from service.engine.beams import beam_results, start_beam_search
+from service.engine.block_room import BlockRoom
 from service.engine.faults import RowFault
 from service.engine.grammar import Grammars
 from service.engine.ngram_drafter import NgramSettings
@@ -96,7 +97,8 @@ class Scheduler:
         self._scrub: list[int] = []  # slots freed after non-finite values, for the next plan
         self.max_waiting = max_waiting
         self.max_prefill_tokens = max_prefill_tokens
-        self.prefix = PrefixCache(prefix_caching)
+        self.prefix = PrefixCache(prefix_caching, release=cache.release)
+        self.room = BlockRoom(cache, self.prefix)
         # Kept up to date as requests come and go (_place, leave), so that neither a step nor an
         # admission asks every running request: the running requests in admission order, those
         # among them that need the host's tokens before each step (RequestState.host_paced), and
@@ -112,6 +114,7 @@ class Scheduler:
         self._active_ids: set[str] = set()  # submitted and not yet finished
         self._closed = False
         self.releases = 0  # sequences ended so far (finished or cancelled)
+        self.preemptions = 0  # running requests sent back to the queue for want of KV blocks
 
     # --- submission side ----------------------------------------------------------------------------
     def submit(self, requests: list[GenerationRequest], adapters: list[int] | None = None) -> list[RequestState]:
@@ -119,6 +122,7 @@ class Scheduler:
         each one's LoRA adapter index (default: the base model)."""
         for request in requests:
             validate_request(request, self.cache.max_len, self.cache.max_slots)
+            self.room.check_fits(request)
         ids = [r.request_id for r in requests]
         states = [RequestState(request, adapter=index) for request, index in zip(requests, adapters or [BASE] * len(requests))]
         with self._lock:
@@ -195,6 +199,7 @@ class Scheduler:
             if sitting_out:
                 out = {id(state) for state in sitting_out}
                 decode = [state for state in decode if id(state) not in out]
+        self.room.grow(decode)  # a block for each row crossing into a new one
         pending: list[tuple[Sequence, Sequence, int]] = []  # (source, destination, length)
         admitted = self._admit(now, budget, chunks, pending) if waiting else []
         moves = self._pack()
@@ -214,6 +219,8 @@ class Scheduler:
                         sitting_out=[seq.slot for state in sitting_out for seq in state.live])
         if self.speculative is not None and self.host_paced_running:  # drafters are host-paced
             plan.drafted = propose(decode, self.speculative, plan.prefill_tokens)
+            if plan.drafted:
+                self.room.grow_drafts(decode)
         return plan
 
     def _admit(
@@ -241,6 +248,8 @@ class Scheduler:
                         if self._worth_waiting(state, match.length if match else 0):
                             continue
                     reused = match.length if match else 0
+                    if not self.room.admits(state, match):
+                        break  # nor for blocks
                     size = budget.take(len(prompt) - reused)
                     if not size:
                         break
@@ -288,7 +297,10 @@ class Scheduler:
             slots = self.prefix.eviction_order(free, state.slots_needed)
         for slot in slots:
             self.cache.claim(slot)
+            if match is None or slot != match.slot:
+                self.cache.release(slot)  # what it kept is overwritten
             self.prefix.drop(slot)
+        self.room.place(state, slots)  # blocks for the prompt on every sequence's row
         # Running before it starts: if starting it fails, the step's failure handling reports it.
         self.running.append(state)
         try:
@@ -404,8 +416,10 @@ class Scheduler:
         """The sequence ends; its slot keeps what it cached for prompts that share it."""
         seq.finish_reason = reason
         self.releases += 1
-        self.cache.free(seq.slot)
+        self.cache.free(seq.slot, keep_blocks=True)
         self.prefix.keep(seq.slot, seq.token_ids[: seq.cached], state.scored_prefix, seq.adapter)
+        if seq.slot not in self.prefix.retained:  # nothing kept: its blocks go back to the pool
+            self.cache.release(seq.slot)
 
     def end_failed(self, state: RequestState, scrub: bool = False) -> None:
         """A request failed (faults.py): its live sequences leave now, and their slots keep
@@ -416,10 +430,10 @@ class Scheduler:
         for seq in freed:
             seq.finish_reason = "error"
             self.releases += 1
+            if scrub:  # zeroed by the runner before the next plan's forwards (StepPlan.scrub)
+                self._scrub += self.cache.blocks_of(seq.slot)
             self.cache.free(seq.slot)
             self.prefix.drop(seq.slot)
-        if scrub and freed:  # zeroed by the runner before the next plan's forwards (StepPlan.scrub)
-            self._scrub += [seq.slot for seq in freed]
 
     def adapter_in_use(self, adapter: int) -> bool:
         """Whether a running or waiting request uses the adapter."""
@@ -475,9 +489,8 @@ class Scheduler:
     def _pack(self) -> list[tuple[int, int, int, bool]]:
         """Move sequences from the highest slots into holes below, so the batch stays one span.
 
-        Each move copies one sequence's cache once; a batch with holes would instead gather
-        (copy) every row's keys and values in every layer of every step. A hole that holds a
-        retained prefix swaps it into the slot the sequence left, so packing evicts nothing.
+        A move is a block-table move (KVCache.move_row): no key or value is copied. A hole that
+        holds a retained prefix swaps it into the slot the sequence left, so packing evicts nothing.
         """
         if self.cache.packed:  # the slots in use are the live sequences': none above a hole
             return []
@@ -485,10 +498,10 @@ class Scheduler:
         live = sorted((seq for state in self.running for seq in state.live), key=BY_SLOT)
         while live and live[-1].slot >= len(live):
             seq = live.pop()
-            target = self.cache.allocate(1)[0]  # the lowest free slot, below seq.slot
-            self.cache.free(seq.slot)
-            retained = self.prefix.length(target)
-            moves.append((seq.slot, target, max(seq.written, retained), retained > 0))
+            target = self.cache.allocate(1, tokens=0)[0]  # the lowest free slot, below seq.slot
+            self.cache.move_row(seq.slot, target)
+            self.cache.free(seq.slot, keep_blocks=True)  # what target retained, if anything
+            moves.append((seq.slot, target, 0, False))  # for the input batch: the tables moved here
             self.prefix.move(target, seq.slot)
             seq.slot = target
             live.insert(0, seq)

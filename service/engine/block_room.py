@@ -1,0 +1,100 @@
+"""Room in the KV cache's block pool: what admission checks, what decode takes as rows grow.
+
+The pool (model/kv_cache.py) is a memory budget in blocks; free rows that keep a finished
+sequence's prefix (prefix_cache.py) hold blocks too, and give them back least recently used
+first whenever a running or admitted sequence needs them. A request is admitted only when its
+prompt's blocks, on every one of its sequences' rows, are free or held by such rows; a decoding
+row takes a block as it crosses into one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from model.kv_cache import KVCache, blocks_for
+from service.engine.prefix_cache import PrefixCache, PrefixMatch
+from service.engine.requests import RequestState
+from service.engine.types import GenerationRequest
+from service.engine.validation import slots_needed
+
+
+class OutOfBlocks(RuntimeError):
+    """Running sequences need more blocks than the pool has, even with every kept prefix given back."""
+
+
+class BlockRoom:
+    def __init__(self, cache: KVCache, prefix: PrefixCache) -> None:
+        self.cache = cache
+        self.prefix = prefix
+
+    def check_fits(self, request: GenerationRequest) -> None:
+        """Refuse a request that could never run: its sequences at full length need more blocks
+        than the whole pool."""
+        params = request.params
+        tokens = min(len(request.prompt_ids) + params.max_new_tokens, self.cache.max_len)
+        needed = slots_needed(params) * blocks_for(tokens, self.cache.block_size)
+        if needed > self.cache.num_blocks:
+            raise ValueError(
+                f"the request needs up to {needed} KV-cache blocks of {self.cache.block_size} positions"
+                f" ({slots_needed(params)} sequences of {tokens} tokens); the cache holds"
+                f" {self.cache.num_blocks} (raise --kv-cache-bytes)")
+
+    def admits(self, state: RequestState, match: PrefixMatch | None) -> bool:
+        """Whether the pool has room for the prompt on every one of the request's rows."""
+        adopted = match.slot if match is not None and match.adopt else None
+        return self._prompt_blocks(state, adopted) <= self._available(adopted)
+
+    def place(self, state: RequestState, slots: list[int]) -> None:
+        """Blocks for the prompt on each of an admitted request's rows (`admits` said they fit)."""
+        needed = sum(self._missing(slot, state.prompt_length) for slot in slots)
+        self.make_room(needed)
+        for slot in slots:
+            if not self.cache.ensure(slot, state.prompt_length):
+                raise OutOfBlocks(f"no blocks for the prompt of {state.request.request_id}")
+
+    def grow(self, decode: Iterable[RequestState]) -> None:
+        """A block for each decoding row whose next position starts one."""
+        for state in decode:
+            for seq in state.live:
+                self._ensure(seq.slot, len(seq.token_ids) + seq.pending)
+
+    def grow_drafts(self, decode: Iterable[RequestState]) -> None:
+        """Blocks for the drafted positions a verification writes; a draft with no room is cut."""
+        for state in decode:
+            for seq in state.live:
+                if not seq.draft:
+                    continue
+                start = len(seq.token_ids) + seq.pending
+                if not self._ensure(seq.slot, start + len(seq.draft), required=False):
+                    room = int(self.cache.row_blocks[seq.slot]) * self.cache.block_size - start
+                    seq.draft = seq.draft[: max(room, 0)]
+
+    def make_room(self, blocks: int) -> bool:
+        """Give back kept prefixes, least recently used first, until `blocks` blocks are free."""
+        for slot in self.prefix.least_recently_used():
+            if self.cache.blocks_free >= blocks:
+                break
+            self.prefix.evict(slot)
+        return self.cache.blocks_free >= blocks
+
+    def _ensure(self, slot: int, tokens: int, required: bool = True) -> bool:
+        if self.cache.ensure(slot, tokens):
+            return True
+        self.make_room(self._missing(slot, tokens))
+        if self.cache.ensure(slot, tokens):
+            return True
+        if required:
+            raise OutOfBlocks(f"the KV cache has no free block for row {slot} at {tokens} tokens")
+        return False
+
+    def _missing(self, slot: int, tokens: int) -> int:
+        return max(0, blocks_for(tokens, self.cache.block_size) - int(self.cache.row_blocks[slot]))
+
+    def _prompt_blocks(self, state: RequestState, adopted: int | None) -> int:
+        per_row = blocks_for(state.prompt_length, self.cache.block_size)
+        held = min(int(self.cache.row_blocks[adopted]), per_row) if adopted is not None else 0
+        return state.slots_needed * per_row - held
+
+    def _available(self, adopted: int | None) -> int:
+        kept = sum(int(self.cache.row_blocks[slot]) for slot in self.prefix.retained if slot != adopted)
+        return self.cache.blocks_free + kept
