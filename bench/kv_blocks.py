@@ -26,10 +26,17 @@ from model.kv_cache import KVCache, blocks_for, bytes_per_token
 from service.inprocess import Engine, EngineConfig
 from service.engine.types import GenerationRequest, SamplingParams
 from weights.checkpoint import load_model
+from weights.random_init import init_state
 from weights.tokenizer import GPT2Tokenizer
 
 SLOTS_OF_BYTES = 16  # the budget: this many full-context sequences' bytes
 SMALL = GPT2Config(n_positions=1024, n_embd=64, n_layer=2, n_head=2)
+
+
+def small_model() -> GPT2:
+    model = GPT2(SMALL)
+    model.load_state_dict(init_state(SMALL, seed=0), strict=True, assign=True)
+    return model.eval()
 
 
 def engine_for(model: GPT2, max_batch_size: int) -> Engine:
@@ -135,7 +142,7 @@ def main() -> None:
         for rows in args.rows:
             gather(rows, args.length, args.rounds)
         return
-    model = load_model(args.model).eval() if args.model else GPT2(SMALL).eval()
+    model = load_model(args.model).eval() if args.model else small_model()
     streams(model, args.streams) if args.what == "streams" else samples(model)
 
 

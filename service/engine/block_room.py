@@ -14,12 +14,23 @@ from collections.abc import Iterable
 from model.kv_cache import KVCache, blocks_for
 from service.engine.prefix_cache import PrefixCache, PrefixMatch
 from service.engine.requests import RequestState
+from service.engine.row_features import uses_counts, uses_history
 from service.engine.types import GenerationRequest
 from service.engine.validation import slots_needed
 
 
 class OutOfBlocks(RuntimeError):
     """Running sequences need more blocks than the pool has, even with every kept prefix given back."""
+
+
+def recomputable(state: RequestState) -> bool:
+    """Whether a running request can be preempted and recomputed from its tokens alone: one
+    sequence, no beam search, no prompt scores, nothing the sampler counted from its generated
+    tokens on the device (penalties' counts, n-gram history), no token in flight."""
+    p = state.params
+    return (state.beam is None and len(state.sequences) == 1 and not p.prompt_logprobs
+            and p.repetition_penalty == 1.0 and not uses_counts(p) and not uses_history(p)
+            and state.sequences[0].pending == 0)
 
 
 class BlockRoom:
@@ -39,10 +50,12 @@ class BlockRoom:
                 f" ({slots_needed(params)} sequences of {tokens} tokens); the cache holds"
                 f" {self.cache.num_blocks} (raise --kv-cache-bytes)")
 
-    def admits(self, state: RequestState, match: PrefixMatch | None) -> bool:
-        """Whether the pool has room for the prompt on every one of the request's rows."""
+    def admits(self, state: RequestState, match: PrefixMatch | None, running: int) -> bool:
+        """Whether the pool has room for the prompt on every one of the request's rows, and a
+        block to spare for each of the `running` requests (so that admitting one does not make
+        the next decode step preempt it at once)."""
         adopted = match.slot if match is not None and match.adopt else None
-        return self._prompt_blocks(state, adopted) <= self._available(adopted)
+        return self._prompt_blocks(state, adopted) + running <= self._available(adopted)
 
     def place(self, state: RequestState, slots: list[int]) -> None:
         """Blocks for the prompt on each of an admitted request's rows (`admits` said they fit)."""

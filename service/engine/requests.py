@@ -69,6 +69,9 @@ class RequestState:
     # sits out a step launched before its last token was read (the core's overlap).
     host_paced: bool = False
     reported: bool = False  # its RequestDone was sent: nothing more is said about it
+    # Preempted after it generated tokens (scheduler._preempt): its `prompt_length` is then the
+    # tokens to prefill again (prompt and generated, but the last), and that prefill samples nothing.
+    resumed: bool = False
     adapter: int = BASE  # its LoRA adapter's index (set at submission, from the request's name)
 
     def __post_init__(self) -> None:
@@ -120,7 +123,12 @@ class PrefillChunk:
 
     @property
     def completes(self) -> bool:
-        return self.end == len(self.state.request.prompt_ids)
+        return self.end == self.state.prompt_length and not self.state.resumed
+
+    @property
+    def tokens(self) -> list[int]:
+        """The chunk's tokens: the prompt's, or a resumed sequence's own."""
+        return self.state.sequences[0].token_ids[self.start : self.end]
 
 
 @dataclass

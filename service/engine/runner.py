@@ -71,6 +71,8 @@ class ModelRunner:
         for state in plan.admitted:
             for seq in state.sequences:
                 self.batch.add(state, seq)
+            if state.resumed:  # preempted, back on a new slot: its last token there, as after a read
+                self.batch.set_drafted(state.sequences)
 
     def execute(self, plan: StepPlan, deferred: bool) -> LaunchedStep:
         """Queue the step's model work and sampling; with beams or drafts, it also waits for it.
@@ -127,7 +129,7 @@ class ModelRunner:
             self.cache,
             [chunk.state.sequences[0].slot for chunk in chunks],
             [chunk.start for chunk in chunks],
-            [chunk.state.request.prompt_ids[chunk.start : chunk.end] for chunk in chunks],
+            [chunk.tokens for chunk in chunks],
             hidden_states=any(chunk.state.params.prompt_logprobs for chunk in chunks),
             lora=self.adapters.rows(chunk.state.adapter for chunk in chunks),
         )

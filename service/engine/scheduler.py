@@ -23,7 +23,7 @@ import numpy as np
 from model.kv_cache import KVCache, blocks_for
 from model.lora import BASE
 from service.engine.beams import beam_results, start_beam_search
-from service.engine.block_room import BlockRoom
+from service.engine.block_room import BlockRoom, OutOfBlocks, recomputable
 from service.engine.faults import RowFault
 from service.engine.grammar import Grammars
 from service.engine.ngram_drafter import NgramSettings
@@ -199,7 +199,7 @@ class Scheduler:
             if sitting_out:
                 out = {id(state) for state in sitting_out}
                 decode = [state for state in decode if id(state) not in out]
-        self.room.grow(decode)  # a block for each row crossing into a new one
+        decode, chunks = self._grow(decode, chunks)  # a block for each row crossing into a new one
         pending: list[tuple[Sequence, Sequence, int]] = []  # (source, destination, length)
         admitted = self._admit(now, budget, chunks, pending) if waiting else []
         moves = self._pack()
@@ -241,16 +241,16 @@ class Scheduler:
                         continue
                     prompt = state.request.prompt_ids
                     match = None
-                    if self.prefix.enabled:  # without the cache, nothing is reused or worth waiting for
+                    if self.prefix.enabled and not state.resumed:  # without the cache, nothing is reused or worth waiting for
                         adapter = state.adapter
                         match = self.prefix.best_match(prompt, state.score_alternatives,
                                                        self._running_prefixes(prompt[0], adapter), adapter)
                         if self._worth_waiting(state, match.length if match else 0):
                             continue
                     reused = match.length if match else 0
-                    if not self.room.admits(state, match):
+                    if not self.room.admits(state, match, len(self.running)):
                         break  # nor for blocks
-                    size = budget.take(len(prompt) - reused)
+                    size = budget.take(state.prompt_length - reused)
                     if not size:
                         break
                     admitted.append(state)
@@ -304,7 +304,10 @@ class Scheduler:
         # Running before it starts: if starting it fails, the step's failure handling reports it.
         self.running.append(state)
         try:
-            state.sequences = self._new_sequences(state, slots)
+            if state.resumed:  # preempted: its sequence goes on, on a new row
+                state.sequences[0].slot = slots[0]
+            else:
+                state.sequences = self._new_sequences(state, slots)
         except Exception:
             self.cache.free(slots)
             raise
@@ -485,6 +488,38 @@ class Scheduler:
         self._waiting = deque(s for s in self._waiting if s)
         self.waiting_count -= len(dropped)
         return dropped
+
+    def _grow(self, decode: list[RequestState], chunks: list[PrefillChunk]) -> tuple[list, list]:
+        """Blocks for every decoding row's next position; while the pool has none, the youngest
+        running request that can be recomputed goes back to the front of the queue (preemption
+        by recompute, vLLM's default), and leaves this step's decode and chunks."""
+        while True:
+            try:
+                self.room.grow(decode)
+                return decode, chunks
+            except OutOfBlocks:
+                victim = next((state for state in reversed(self.running) if recomputable(state)), None)
+                if victim is None:
+                    raise
+                self._preempt(victim)
+                decode = [state for state in decode if state is not victim]
+                chunks = [chunk for chunk in chunks if chunk.state is not victim]
+
+    def _preempt(self, state: RequestState) -> None:
+        """Free a running request's row and blocks and queue it first: readmitted, it prefills
+        its prompt and the tokens it generated (all but the last, which its next decode feeds),
+        samples nothing there, and decodes on."""
+        [seq] = state.sequences
+        self.cache.free(seq.slot)
+        self.leave([state])
+        if len(seq.token_ids) > len(state.request.prompt_ids):
+            state.resumed = True
+            state.prompt_length = len(seq.token_ids) - 1
+        state.prefilled = state.reused = seq.cached = 0
+        self.preemptions += 1
+        with self._lock:
+            self._waiting.appendleft([state])
+            self.waiting_count += 1
 
     def _pack(self) -> list[tuple[int, int, int, bool]]:
         """Move sequences from the highest slots into holes below, so the batch stays one span.
