@@ -55,7 +55,8 @@ def request(request_id: str, ids: list[int], **params) -> GenerationRequest:
 
 
 def run(engine: Engine, requests: list[GenerationRequest]) -> dict:
-    """Step to the end; the largest decode batch, prefill tokens, peak blocks held by running rows."""
+    """Step to the end; the largest decode batch, prefill tokens, peak blocks held by running rows
+    (each block once, however many rows share it)."""
     engine.submit(requests)
     cache = engine.cache
     decode, prefill, peak, steps = [], 0, 0, 0
@@ -63,7 +64,8 @@ def run(engine: Engine, requests: list[GenerationRequest]) -> dict:
         stats = engine.step().stats
         decode.append(stats.decode_tokens)
         prefill += stats.prefill_tokens
-        held = sum(int(cache.row_blocks[row]) for row in range(cache.max_slots) if cache.in_use[row])
+        # Distinct blocks: samples of one prompt share its blocks.
+        held = len({block for row in range(cache.max_slots) if cache.in_use[row] for block in cache.blocks_of(row)})
         peak, steps = max(peak, held), steps + 1
     return {"max_decode_batch": max(decode), "prefill_tokens": prefill, "peak_blocks": peak, "steps": steps,
             "preemptions": engine.scheduler.preemptions}

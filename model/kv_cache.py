@@ -21,8 +21,9 @@ import torch
 from model.config import GPT2Config
 from model.transfer import to_device
 
-# Positions per block. Measured on the CPU (docs/kv-cache.md): gathering 16 rows × 512 keys of
-# GPT-2 124M costs the same from 16 to 64 and more below; 16 wastes least in a partial block.
+# Positions per block. Measured on the CPU (docs/engine.md, "KV cache"): gathering one layer of
+# 16 rows × 512 positions of GPT-2 124M took 56, 51, 52 and 47 ms with blocks of 8, 16, 32 and
+# 64 (within this machine's noise); 16 wastes least in a partial block (vLLM's default too).
 BLOCK_SIZE = 16
 SCRATCH = 0  # the block unallocated table entries point at
 
@@ -103,6 +104,9 @@ class KVCache:
         # Free blocks: a set, and a heap (lowest first) that may still list blocks taken out of
         # turn (`_take_block`), skipped when popped.
         self._free_block_set: set[int] = set(range(1, num_blocks + 1))
+        # Rows whose tables list each block: several share a forked prompt's blocks (read only;
+        # one that writes into a shared block first copies it: `writable`).
+        self.refs = np.zeros(num_blocks + 1, dtype=np.int64)
         self._free_blocks: list[int] = list(range(1, num_blocks + 1))
         self._views: dict[tuple[int, int, int], tuple[int, int] | None] = {}  # (first row, rows, blocks) → view
         self._views_version = 0
@@ -194,8 +198,11 @@ class KVCache:
         return True
 
     def release(self, slot: int) -> list[int]:
-        """Return every block the row holds to the pool; the blocks returned."""
-        blocks = self.blocks_of(slot)
+        """Let go of every block the row holds; those no other row holds go back to the pool
+        (returned)."""
+        held = self.blocks_of(slot)
+        self.refs[held] -= 1
+        blocks = [block for block in held if self.refs[block] == 0]
         for block in blocks:
             self._free_block_set.add(block)
             heapq.heappush(self._free_blocks, block)
@@ -203,9 +210,38 @@ class KVCache:
             self._free_blocks = sorted(self._free_block_set)
         self.tables[slot] = SCRATCH
         self.row_blocks[slot] = 0
-        if blocks:
+        if held:
             self._tables_changed()
         return blocks
+
+    def fork(self, src: int, dst: int, tokens: int) -> None:
+        """Row dst (holding no blocks) shares row src's blocks for its first `tokens` positions:
+        several samples of one prompt hold the prompt once."""
+        if self.row_blocks[dst]:
+            raise RuntimeError(f"row {dst} still holds blocks")
+        count = min(blocks_for(tokens, self.block_size), int(self.row_blocks[src]))
+        self.tables[dst, :count] = self.tables[src, :count]
+        self.row_blocks[dst] = count
+        self.refs[self.tables[src, :count]] += 1
+        self._tables_changed()
+
+    def writable(self, slot: int, start: int, end: int) -> bool:
+        """Make the row's blocks holding positions [start, end) its own: a shared one is copied
+        into a new block first (copy on write). False (nothing changed) when the pool has too few
+        free blocks."""
+        first, last = start // self.block_size, min(blocks_for(end, self.block_size), int(self.row_blocks[slot]))
+        shared = [index for index in range(first, last) if self.refs[self.tables[slot, index]] > 1]
+        if not shared:
+            return True
+        if len(shared) > len(self._free_block_set):
+            return False
+        old = self.tables[slot, shared].tolist()
+        new = [self._take_block(None) for _ in shared]
+        self.refs[old] -= 1
+        self.tables[slot, shared] = new
+        self._tables_changed()
+        self._copy_blocks(old, new)
+        return True
 
     def move_row(self, src: int, dst: int) -> None:
         """Row src's blocks become row dst's and dst's become src's: a packing move is a table
@@ -220,6 +256,7 @@ class KVCache:
             while wanted not in self._free_block_set:  # taken out of turn earlier
                 wanted = heapq.heappop(self._free_blocks)
         self._free_block_set.remove(wanted)
+        self.refs[wanted] = 1
         return wanted
 
     def _tables_changed(self) -> None:
@@ -332,9 +369,12 @@ class KVCache:
         dst_blocks = self.tables[dst, :count].reshape(-1)
         if (dst_blocks == SCRATCH).any() or (src_blocks == SCRATCH).any():
             raise RuntimeError(f"copy_slots: rows {src} → {dst} do not all hold {length} positions")
-        src_ids, dst_ids = to_device([src_blocks.tolist(), dst_blocks.tolist()], self.device)
+        self._copy_blocks(src_blocks.tolist(), dst_blocks.tolist())
+
+    def _copy_blocks(self, src: list[int], dst: list[int]) -> None:
+        src_ids, dst_ids = to_device([src, dst], self.device)
         by_block = self.kv.view(*self.kv.shape[:3], -1, self.block_size, self.kv.shape[-1])
-        # Indexing on the right copies first, so a permutation among the same rows is safe.
+        # Indexing on the right copies first, so a permutation among the same blocks is safe.
         by_block[:, :, :, dst_ids] = by_block[:, :, :, src_ids]
 
     def swap_slots(self, a: int, b: int, length: int) -> None:

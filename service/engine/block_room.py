@@ -57,19 +57,30 @@ class BlockRoom:
         adopted = match.slot if match is not None and match.adopt else None
         return self._prompt_blocks(state, adopted) + running <= self._available(adopted)
 
-    def place(self, state: RequestState, slots: list[int]) -> None:
-        """Blocks for the prompt on each of an admitted request's rows (`admits` said they fit)."""
-        needed = sum(self._missing(slot, state.prompt_length) for slot in slots)
-        self.make_room(needed)
-        for slot in slots:
+    def place(self, state: RequestState, slots: list[int], shared: tuple[int, int] | None = None) -> None:
+        """Blocks for the prompt on an admitted request's rows (`admits` said they fit): the
+        first row's, which the other samples fork once it is prefilled; every beam's, each its own
+        (a beam step reorders them by copies). `shared`: (a running row, positions) whose blocks
+        the first row shares for its reused prefix (the partial last one copied when written)."""
+        beams = state.params.num_beams > 1  # (its search starts after this)
+        rows = slots if beams else slots[:1]
+        if shared is not None:
+            self.cache.fork(shared[0], slots[0], shared[1])
+        needed = sum(self._missing(slot, state.prompt_length) for slot in rows)
+        self.make_room(needed + len(rows))
+        for slot in rows:
             if not self.cache.ensure(slot, state.prompt_length):
                 raise OutOfBlocks(f"no blocks for the prompt of {state.request.request_id}")
+            if beams:
+                self.writable(slot, 0, state.prompt_length)
 
     def grow(self, decode: Iterable[RequestState]) -> None:
         """A block for each decoding row whose next position starts one."""
         for state in decode:
             for seq in state.live:
-                self._ensure(seq.slot, len(seq.token_ids) + seq.pending)
+                written = len(seq.token_ids) + seq.pending  # the step writes position written - 1
+                self._ensure(seq.slot, written)
+                self.writable(seq.slot, written - 1, written)
 
     def grow_drafts(self, decode: Iterable[RequestState]) -> None:
         """Blocks for the drafted positions a verification writes; a draft with no room is cut."""
@@ -81,6 +92,15 @@ class BlockRoom:
                 if not self._ensure(seq.slot, start + len(seq.draft), required=False):
                     room = int(self.cache.row_blocks[seq.slot]) * self.cache.block_size - start
                     seq.draft = seq.draft[: max(room, 0)]
+                self.writable(seq.slot, start, start + len(seq.draft))
+
+    def writable(self, slot: int, start: int, end: int) -> None:
+        """The row's blocks for positions [start, end) its own (copy on write), before it writes them."""
+        if self.cache.writable(slot, start, end):
+            return
+        self.make_room(blocks_for(end - start, self.cache.block_size) + 1)
+        if not self.cache.writable(slot, start, end):
+            raise OutOfBlocks(f"the KV cache has no free block to copy row {slot}'s shared blocks into")
 
     def make_room(self, blocks: int) -> bool:
         """Give back kept prefixes, least recently used first, until `blocks` blocks are free."""
@@ -104,9 +124,13 @@ class BlockRoom:
         return max(0, blocks_for(tokens, self.cache.block_size) - int(self.cache.row_blocks[slot]))
 
     def _prompt_blocks(self, state: RequestState, adopted: int | None) -> int:
+        """The prompt's blocks: once, its samples sharing them and each taking one of its own
+        for its first token; on every row for a beam search."""
         per_row = blocks_for(state.prompt_length, self.cache.block_size)
         held = min(int(self.cache.row_blocks[adopted]), per_row) if adopted is not None else 0
-        return state.slots_needed * per_row - held
+        if state.params.num_beams > 1:
+            return state.slots_needed * per_row - held
+        return per_row - held + state.slots_needed - 1
 
     def _available(self, adopted: int | None) -> int:
         kept = sum(int(self.cache.row_blocks[slot]) for slot in self.prefix.retained if slot != adopted)

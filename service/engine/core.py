@@ -122,6 +122,7 @@ class EngineCore:
                                   config.static_decode, config.adapters)
         self.overlap = config.overlap if config.overlap is not None else self.device.type == "cuda"
         self._launched: LaunchedStep | None = None  # the step launched, tokens not yet read
+        self._counted = (0, 0)  # preemptions and prefix evictions the steps' stats have reported
 
     @property
     def adapters(self) -> ServedAdapters:
@@ -153,7 +154,7 @@ class EngineCore:
         started = self.clock()
         results = StepResults()
         failed: list[RequestFailed] = []
-        prefill_tokens = cached_tokens = decode_tokens = batch_size = 0
+        prefill_tokens = cached_tokens = decode_tokens = batch_size = prefix_hits = 0
         scheduler, runner = self.scheduler, self.runner
         try:
             # Overlap: this step is launched before the previous one's tokens are read. A request
@@ -166,6 +167,7 @@ class EngineCore:
             plan = scheduler.schedule(started, runner.exhausted() if previous is not None else [], previous is not None)
             results.done += [scheduler.finish(state) for state in plan.cancelled]
             prefill_tokens, cached_tokens = plan.prefill_tokens, plan.cached_tokens
+            prefix_hits = sum(1 for state in plan.admitted if state.reused)
             if plan.host_paced:  # beams among them: one output token per step each
                 results.decode_output_tokens += sum(len(s.live) for s in plan.decode if s.beam is not None)
             runner.prepare(plan)
@@ -209,8 +211,19 @@ class EngineCore:
             decode_output_tokens=results.decode_output_tokens,
             draft_tokens=results.draft_tokens,
             accepted_tokens=results.accepted_tokens,
+            prefix_hits=prefix_hits,
+            **self._kv_stats(),
         )
         return CoreStep(results.tokens, results.started, results.done, failed, stats)
+
+    def _kv_stats(self) -> dict[str, int]:
+        """The block pool's use and the preemptions and evictions since the last step's stats."""
+        cache, scheduler = self.cache, self.scheduler
+        counts = (scheduler.preemptions, scheduler.prefix.evictions)
+        (preemptions, evictions), self._counted = [now - before for now, before in zip(counts, self._counted)], counts
+        kept = sum(int(cache.row_blocks[slot]) for slot in scheduler.prefix.retained)
+        return {"kv_blocks_used": cache.num_blocks - cache.blocks_free - kept, "kv_blocks_total": cache.num_blocks,
+                "preemptions": preemptions, "prefix_evictions": evictions}
 
     def _update(self, launched: LaunchedStep, results: StepResults) -> None:
         """Read a launched step's tokens into the scheduler, then tell the runner what they said."""

@@ -105,6 +105,7 @@ class PrefixCache:
         self.retained: dict[int, Retained] = {}  # free slot → what it still holds
         self._clock = 0
         self._release = release or (lambda slot: None)
+        self.evictions = 0  # kept prefixes given up to make room (not those a failure forgot)
 
     def keep(self, slot: int, tokens: list[int], scored: ScoredPrefix | None, adapter: int = BASE) -> None:
         if self.enabled and tokens:
@@ -126,6 +127,10 @@ class PrefixCache:
 
     def evict(self, slot: int) -> None:
         """Forget what a free slot holds and give its blocks back."""
+        self.evictions += slot in self.retained
+        self.forget(slot)
+
+    def forget(self, slot: int) -> None:
         self.retained.pop(slot, None)
         self._release(slot)
 
@@ -134,7 +139,7 @@ class PrefixCache:
 
     def clear(self) -> None:
         for slot in list(self.retained):
-            self.evict(slot)
+            self.forget(slot)
 
     def eviction_order(self, free_slots: list[int], count: int | None = None) -> list[int]:
         """Free slots, those holding nothing first, then least recently used first; only the

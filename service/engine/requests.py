@@ -136,10 +136,9 @@ class StepPlan:
     prefill: list[PrefillChunk]  # prompt chunks run this step; the last one of a prompt samples
     decode: list[RequestState]  # prefilled and running: one token per live sequence
     cancelled: list[RequestState]  # leave now; their slots (if any) are already free
-    # Done in this order before the forwards: (from slot, to slot, length, swap) packing moves,
-    # then (from slot, to slot, length) prefix copies from running sequences.
+    # Done before the forwards: (from slot, to slot, length, swap) packing moves (block-table
+    # moves already made by the scheduler: the input batch's rows follow).
     moves: list[tuple[int, int, int, bool]]
-    copies: list[tuple[int, int, int]]
     completing: list[RequestState]  # the requests whose prompt's last chunk runs: they sample
     prefill_tokens: int  # prompt tokens this step prefills
     cached_tokens: int = 0  # prompt tokens taken from the prefix cache by this step's admissions

@@ -3,8 +3,8 @@ ModelRunner). It owns what the device holds for the running sequences: the KV ca
 persistent input batch (every per-slot value), the layout of a step's rows, the forwards (prefill,
 decode: static shapes and CUDA graphs where asked) and the sampler.
 
-- `prepare(plan)`: slots to zero, packing moves and prefix copies in the cache, and the plan's
-  admitted sequences written into the input batch (on their slots after the moves);
+- `prepare(plan)`: blocks to zero, packing moves in the input batch (the cache's block tables
+  moved with the plan), and the plan's admitted sequences written into the input batch;
 - `execute(plan)`: rows laid out, the forwards and the sampling queued, and the one device→host
   copy of what was drawn (read later with `read`: the core's overlap);
 - `after_read(launched)`: what only the read tokens tell the batch (drafted sequences' lengths).
@@ -66,8 +66,6 @@ class ModelRunner:
                 self.cache.scrub(plan.scrub)
             for src, dst, length, swap in plan.moves:
                 self._move(src, dst, length, swap)
-            for src, dst, length in plan.copies:
-                self.cache.copy_slots([src], [dst], length)
         for state in plan.admitted:
             for seq in state.sequences:
                 self.batch.add(state, seq)
@@ -136,16 +134,8 @@ class ModelRunner:
         for row, chunk in enumerate(chunks):
             if chunk.state.params.prompt_logprobs:
                 add_prompt_scores(self.model, chunk.state, chunk, out.hidden[row])
-        # Several sampled sequences of one prompt: the prompt ran once, into the first slot.
-        copies = [
-            (chunk.state.sequences[0].slot, seq)
-            for chunk in chunks
-            if chunk.completes and chunk.state.beam is None
-            for seq in chunk.state.sequences[1:]
-        ]
-        if copies:
-            longest = max(len(seq.token_ids) for _, seq in copies)
-            self.cache.copy_slots([s for s, _ in copies], [seq.slot for _, seq in copies], longest)
+        # Several sampled sequences of one prompt: the prompt ran once, into the first slot, whose
+        # blocks the others share (the scheduler forked them).
         return out.logits  # [B, V]
 
     def _decode(self, step_rows: StepRows) -> torch.Tensor:

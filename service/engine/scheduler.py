@@ -200,20 +200,19 @@ class Scheduler:
                 out = {id(state) for state in sitting_out}
                 decode = [state for state in decode if id(state) not in out]
         decode, chunks = self._grow(decode, chunks)  # a block for each row crossing into a new one
-        pending: list[tuple[Sequence, Sequence, int]] = []  # (source, destination, length)
-        admitted = self._admit(now, budget, chunks, pending) if waiting else []
+        admitted = self._admit(now, budget, chunks) if waiting else []
         moves = self._pack()
-        copies = [(source.slot, target.slot, length) for source, target, length in pending]
-        for _, target, length in pending:
-            target.cached = length
         for chunk in chunks:  # what the plan's forwards write, before anyone can read it
             state = chunk.state
-            state.prefilled = state.sequences[0].cached = chunk.end
-            if chunk.completes and state.beam is None:  # the runner copies the prompt to the others
+            first = state.sequences[0]
+            self.room.writable(first.slot, chunk.start, chunk.end)  # blocks it shares are copied first
+            state.prefilled = first.cached = chunk.end
+            if chunk.completes and state.beam is None:  # the others share the prompt's blocks
                 for seq in state.sequences[1:]:
+                    self.cache.fork(first.slot, seq.slot, chunk.end)
                     seq.cached = len(seq.token_ids)
         scrub, self._scrub = self._scrub, []
-        plan = StepPlan(chunks, decode, cancelled, moves, copies, [chunk.state for chunk in chunks if chunk.completes],
+        plan = StepPlan(chunks, decode, cancelled, moves, [chunk.state for chunk in chunks if chunk.completes],
                         sum(chunk.end - chunk.start for chunk in chunks), sum(s.reused for s in admitted), admitted,
                         scrub, running=len(self.running), host_paced=self.host_paced_running, beams=self.beams_running,
                         sitting_out=[seq.slot for state in sitting_out for seq in state.live])
@@ -224,7 +223,7 @@ class Scheduler:
         return plan
 
     def _admit(
-        self, now: float, budget: PrefillBudget, chunks: list[PrefillChunk], pending: list
+        self, now: float, budget: PrefillBudget, chunks: list[PrefillChunk]
     ) -> list[RequestState]:
         """Admit waiting requests in arrival order while slots and the prefill budget allow.
 
@@ -254,7 +253,7 @@ class Scheduler:
                     if not size:
                         break
                     admitted.append(state)
-                    self._place(state, match, now, pending)
+                    self._place(state, match, now)
                     chunks.append(PrefillChunk(state, reused, reused + size))
             finally:  # also when starting one failed: those admitted before it are running
                 taken = {id(state) for state in admitted}
@@ -286,8 +285,9 @@ class Scheduler:
                 return True
         return False
 
-    def _place(self, state: RequestState, match: PrefixMatch | None, now: float, pending: list) -> None:
-        """Give an admitted request its slots, the first one holding the reused prefix."""
+    def _place(self, state: RequestState, match: PrefixMatch | None, now: float) -> None:
+        """Give an admitted request its slots, the first one holding the reused prefix: a kept
+        one's blocks in place, or a running sequence's, shared."""
         state.scheduled_time = now
         free = self.cache.free_slots
         if match is not None and match.adopt:
@@ -298,9 +298,11 @@ class Scheduler:
         for slot in slots:
             self.cache.claim(slot)
             if match is None or slot != match.slot:
+                self.prefix.evictions += slot in self.prefix.retained
                 self.cache.release(slot)  # what it kept is overwritten
             self.prefix.drop(slot)
-        self.room.place(state, slots)  # blocks for the prompt on every sequence's row
+        shared = (match.source.slot, match.length) if match is not None and not match.adopt else None
+        self.room.place(state, slots, shared)  # blocks for the prompt
         # Running before it starts: if starting it fails, the step's failure handling reports it.
         self.running.append(state)
         try:
@@ -318,11 +320,7 @@ class Scheduler:
             return
         state.prefilled = state.reused = match.length
         state.prompt_scores = match.scores
-        first = state.sequences[0]
-        if match.adopt:
-            first.cached = match.length
-        else:
-            pending.append((match.source, first, match.length))
+        state.sequences[0].cached = match.length
 
     def _new_sequences(self, state: RequestState, slots: list[int]) -> list[Sequence]:
         """An admitted request's sequences on its slots: seeds, beam search, drafter, grammar."""
@@ -433,8 +431,9 @@ class Scheduler:
         for seq in freed:
             seq.finish_reason = "error"
             self.releases += 1
+            blocks = self.cache.release(seq.slot)  # those no other row holds
             if scrub:  # zeroed by the runner before the next plan's forwards (StepPlan.scrub)
-                self._scrub += self.cache.blocks_of(seq.slot)
+                self._scrub += blocks
             self.cache.free(seq.slot)
             self.prefix.drop(seq.slot)
 

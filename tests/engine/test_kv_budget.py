@@ -72,3 +72,46 @@ def test_a_request_larger_than_the_whole_cache_is_refused(make_engine):
     with pytest.raises(ValueError, match="KV-cache blocks"):
         engine.submit([make_request(random_prompt(10, seed=1), max_new_tokens=100, do_sample=True,
                                     num_return_sequences=2)])
+
+
+def test_samples_of_one_prompt_share_its_blocks_and_draw_as_requests_alone(make_engine):
+    """n samples fork the prompt's blocks (prefilled once); sample i draws what a request alone
+    with its seed draws, over the same keys."""
+    from service.engine.scheduler import SEED_MODULUS, SEED_STRIDE
+
+    prompt = random_prompt(70, seed=5)  # 5 blocks, the last one partly filled
+    params = dict(do_sample=True, temperature=0.9, max_new_tokens=12)
+    engine = make_engine(max_slots=8)
+    peak, prefilled, results = 0, 0, []
+    engine.submit([make_request(prompt, request_id="n4", seed=3, num_return_sequences=4, **params)])
+    while engine.has_work():
+        output = engine.step()
+        prefilled += output.stats.prefill_tokens
+        results += output.finished
+        cache = engine.cache
+        peak = max(peak, len({b for row in range(cache.max_slots) if cache.in_use[row] for b in cache.blocks_of(row)}))
+    assert prefilled == 70 and peak <= 5 + 4  # the prompt once, a block of its own for each sample
+    alone = make_engine(max_slots=8).generate([
+        make_request(prompt, request_id=f"alone-{i}", seed=(3 + i * SEED_STRIDE) % SEED_MODULUS, **params)
+        for i in range(4)])
+    assert [s.token_ids for s in results[0].sequences] == [r.sequences[0].token_ids for r in alone]
+
+
+def test_a_prompt_extending_a_running_sequence_shares_its_full_blocks(make_engine):
+    """No copy of a running sequence's prefix: the full blocks are shared, the partial one is
+    copied by whoever writes into it first (the new prompt's rest, the stream's next token)."""
+    context = random_prompt(40, seed=41)  # blocks 0 and 1 full, block 2 partly
+    engine = make_engine(max_slots=8)
+    engine.submit([make_request(context, request_id="stream", max_new_tokens=20)])
+    for _ in range(3):
+        engine.step()
+    engine.submit([make_request(context + [5, 6], request_id="extends", max_new_tokens=6)])
+    assert engine.step().stats.cached_prompt_tokens == 40
+    stream, extends = engine.scheduler.running
+    ours, theirs = (engine.cache.blocks_of(s.sequences[0].slot) for s in (stream, extends))
+    assert ours[:2] == theirs[:2] and ours[2] != theirs[2]
+    results = {f.request_id: f.sequences[0].token_ids for f in run_until_idle(engine)}
+    cold = make_engine(max_slots=8, prefix_caching=False).generate(
+        [make_request(context, request_id="stream", max_new_tokens=20),
+         make_request(context + [5, 6], request_id="extends", max_new_tokens=6)])
+    assert results == {f.request_id: f.sequences[0].token_ids for f in cold}

@@ -47,6 +47,20 @@ def runs_of_blocks(config) -> KVCache:
     return cache
 
 
+def tables_copied_as_on_cuda(config) -> KVCache:
+    """Interleaved blocks, the tables read from a device copy refreshed when they change (as on
+    CUDA, where the host's tables are not the device's) and never as a view."""
+    cache = KVCache(config, max_slots=4, max_len=MAX_LEN, num_blocks=48, block_size=4)
+    cache._shared_tables = False
+    cache.device_tables = torch.from_numpy(cache.tables.copy())
+    cache.allocate(4, tokens=0)
+    for tokens in range(4, MAX_LEN + 1, 4):
+        for row in (2, 0, 3, 1):
+            assert cache.ensure(row, tokens)
+    assert cache._tables_stale
+    return cache
+
+
 @torch.no_grad()
 def decode_logits(model, cache: KVCache, slots: list[int]) -> list[torch.Tensor]:
     """Prefill each row alone (packed), then decode the rows together to MAX_LEN - 8 positions."""
@@ -67,7 +81,7 @@ def decode_logits(model, cache: KVCache, slots: list[int]) -> list[torch.Tensor]
 @pytest.mark.parametrize("slots", [[2, 0, 3], [0], [1, 2, 3]], ids=["scattered rows", "one row", "a span"])
 def test_blocks_give_the_fixed_slot_cache_logits_bit_for_bit(model, slots):
     reference = decode_logits(model, fixed_slots(model.config), slots)
-    for layout in (interleaved_blocks, runs_of_blocks):
+    for layout in (interleaved_blocks, runs_of_blocks, tables_copied_as_on_cuda):
         cache = layout(model.config)
         for ours, theirs in zip(decode_logits(model, cache, slots), reference, strict=True):
             assert torch.equal(ours, theirs), layout.__name__
@@ -124,3 +138,22 @@ def test_copies_and_scrubs_touch_only_the_rows_blocks(model):
     cache.scrub(cache.blocks_of(a))
     assert not cache.read(1, cache.batch([a]), 12)[0].any()
     assert torch.equal(cache.read(1, cache.batch([c]), 12)[0], untouched)
+
+
+@torch.no_grad()
+def test_forked_rows_share_blocks_until_one_writes_then_it_copies(model):
+    cache = KVCache(model.config, max_slots=3, max_len=MAX_LEN, num_blocks=8, block_size=4)
+    a, b = cache.allocate(2, tokens=0)
+    assert cache.ensure(a, 10)  # three blocks, the last one partly written
+    cache.kv.normal_()
+    cache.fork(a, b, 10)
+    assert cache.blocks_of(b) == cache.blocks_of(a) and cache.blocks_free == 5
+    before = cache.read(1, cache.batch([a]), 12)[0].clone()
+    assert cache.writable(b, 10, 11)  # b writes position 10: its third block becomes its own
+    assert cache.blocks_of(b)[:2] == cache.blocks_of(a)[:2] and cache.blocks_of(b)[2] != cache.blocks_of(a)[2]
+    assert torch.equal(cache.read(1, cache.batch([b]), 12)[0], before)  # a copy of what it shared
+    cache.write_tokens(1, torch.tensor([b]), torch.tensor([10]), torch.zeros(1, 2, 4, model.config.head_dim))
+    assert torch.equal(cache.read(1, cache.batch([a]), 12)[0], before)  # a's block untouched
+    own = cache.blocks_of(a)[2]
+    assert cache.release(a) == [own] and cache.blocks_free == 8 - 3  # the two shared ones are b's now
+    assert cache.release(b) and cache.blocks_free == 8
