@@ -91,7 +91,8 @@ def samples(model: GPT2) -> None:
 def gather(rows: int, length: int, rounds: int) -> None:
     """One decode step of the 124M over `rows` rows of `length` keys: a cache of fixed slots (one
     block per row: the layout before blocks), blocks interleaved between rows (a gather per
-    layer), blocks in runs (a view). Same process, alternating, min and median ms."""
+    layer), blocks in runs (a view), rows growing together in their home blocks (a view). Same
+    process, alternating, min and median ms."""
     model = load_model("weights/gpt2").eval()
     config = model.config
 
@@ -99,15 +100,16 @@ def gather(rows: int, length: int, rounds: int) -> None:
         if kind == "fixed slots":
             cache = KVCache(config, rows, 1024, block_size=1024)
             return cache, cache.allocate(rows)
-        cache = KVCache(config, rows, 1024)
+        # Interleaved: a pool one block short of every row at full length, so rows have no homes.
+        cache = KVCache(config, rows, 1024, num_blocks=rows * 64 - (kind == "interleaved blocks"))
         slots = cache.allocate(rows, tokens=0)
-        step = 16 if kind == "interleaved blocks" else length + 1
+        step = 16 if kind != "runs of blocks" else length + 1
         for tokens in range(step, length + 1 + step, step):
             for slot in slots:
                 cache.ensure(slot, tokens)
         return cache, slots
 
-    kinds = ("fixed slots", "interleaved blocks", "runs of blocks")
+    kinds = ("fixed slots", "interleaved blocks", "runs of blocks", "growing at home")
     setups = {kind: cache_of(kind) for kind in kinds}
     ids = torch.randint(0, 50000, (rows, length), generator=torch.Generator().manual_seed(0))
     times: dict[str, list[float]] = {kind: [] for kind in kinds}

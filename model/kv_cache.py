@@ -107,6 +107,9 @@ class KVCache:
         # Rows whose tables list each block: several share a forked prompt's blocks (read only;
         # one that writes into a shared block first copies it: `writable`).
         self.refs = np.zeros(num_blocks + 1, dtype=np.int64)
+        # Where the pool holds every row at full length, row r prefers the blocks a fixed slot r
+        # had (its home): rows running side by side then read as one view, as slots did.
+        self.homes = num_blocks >= max_slots * self.blocks_per_row
         self._free_blocks: list[int] = list(range(1, num_blocks + 1))
         self._views: dict[tuple[int, int, int], tuple[int, int] | None] = {}  # (first row, rows, blocks) → view
         self._views_version = 0
@@ -181,8 +184,9 @@ class KVCache:
 
     def ensure(self, slot: int, tokens: int) -> bool:
         """Give the row blocks for its first `tokens` positions; False (nothing taken) when the
-        pool has too few free blocks. The next block is the one after the row's last where that
-        is free, so a row growing alone stays one run (read as a view)."""
+        pool has too few free blocks. The next block is the row's home block where the pool has
+        homes, else the one after the row's last, where free: a row growing alone stays one run
+        (read as a view)."""
         needed = blocks_for(min(tokens, self.max_len), self.block_size) - int(self.row_blocks[slot])
         if needed <= 0:
             return True
@@ -191,7 +195,11 @@ class KVCache:
         held = int(self.row_blocks[slot])
         previous = int(self.tables[slot, held - 1]) if held else None
         for index in range(held, held + needed):
-            block = self._take_block(previous + 1 if previous is not None else None)
+            if self.homes:
+                wanted = 1 + slot * self.blocks_per_row + index
+            else:
+                wanted = previous + 1 if previous is not None else None
+            block = self._take_block(wanted)
             self.tables[slot, index] = previous = block
         self.row_blocks[slot] = held + needed
         self._tables_changed()
@@ -336,20 +344,25 @@ class KVCache:
             self._views_at = self._views_version
         key = (span.start, span.stop, blocks)
         if key not in self._views:
-            self._views[key] = self._find_view(self.tables[span, :blocks])
+            self._views[key] = self._find_view(self.tables[span, :blocks])  # [rows, blocks]
         return self._views[key]
 
-    @staticmethod
-    def _find_view(table: np.ndarray) -> tuple[int, int] | None:
-        first = int(table[0, 0])
-        if first == SCRATCH:
+    def _find_view(self, table: np.ndarray) -> tuple[int, int] | None:
+        """Each row's blocks one run, the runs' starts evenly spaced. Past its own blocks (SCRATCH
+        entries) a row's view reads the blocks its run would continue into, as a fixed slot read
+        its stale positions: only positions past the row's length, which attention slices off
+        or masks."""
+        starts = table[:, 0]
+        if (starts == SCRATCH).any():
             return None
         runs = table - table[:, :1]  # each row's blocks minus its first
-        if not (runs == np.arange(table.shape[1])).all():
+        if not ((runs == np.arange(table.shape[1])) | (table == SCRATCH)).all():
             return None
-        starts = table[:, 0]
+        first = int(starts[0])
         stride = int(starts[1] - starts[0]) if len(starts) > 1 else 0
         if stride < 0 or not (starts == first + stride * np.arange(len(starts))).all():
+            return None
+        if int(starts[-1]) + table.shape[1] > self.num_blocks + 1:  # a run would leave the pool
             return None
         return first, stride
 

@@ -115,3 +115,11 @@ def test_a_prompt_extending_a_running_sequence_shares_its_full_blocks(make_engin
         [make_request(context, request_id="stream", max_new_tokens=20),
          make_request(context + [5, 6], request_id="extends", max_new_tokens=6)])
     assert results == {f.request_id: f.sequences[0].token_ids for f in cold}
+
+
+def test_the_budget_in_bytes_sets_the_pool(make_engine):
+    per_block = 16 * 2 * TINY.n_layer * TINY.n_embd * 4  # float32 keys and values of 16 positions
+    assert make_engine(kv_cache_bytes=10 * per_block + per_block // 2).cache.num_blocks == 10
+    assert make_engine(max_slots=3).cache.num_blocks == 3 * FULL_ROW_BLOCKS  # default: max_slots full rows
+    with pytest.raises(ValueError, match="holds no block"):
+        make_engine(kv_cache_bytes=per_block - 1)

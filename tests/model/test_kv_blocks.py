@@ -32,7 +32,7 @@ def fixed_slots(config) -> KVCache:
 
 def interleaved_blocks(config) -> KVCache:
     """Rows 2, 0, 3, 1 grow a block at a time in turn: no row's blocks are consecutive."""
-    cache = KVCache(config, max_slots=4, max_len=MAX_LEN, num_blocks=48, block_size=4)
+    cache = KVCache(config, max_slots=5, max_len=MAX_LEN, num_blocks=48, block_size=4)  # no homes: 5 rows
     cache.allocate(4, tokens=0)
     for tokens in range(4, MAX_LEN + 1, 4):
         for row in (2, 0, 3, 1):
@@ -47,10 +47,21 @@ def runs_of_blocks(config) -> KVCache:
     return cache
 
 
+def rows_growing_at_home(config) -> KVCache:
+    """The same growth in a pool holding every row at full length: each row takes its home
+    blocks (a fixed slot's), so the rows read as one view."""
+    cache = KVCache(config, max_slots=4, max_len=MAX_LEN, block_size=4)
+    cache.allocate(4, tokens=0)
+    for tokens in range(4, MAX_LEN + 1, 4):
+        for row in (2, 0, 3, 1):
+            assert cache.ensure(row, tokens)
+    return cache
+
+
 def tables_copied_as_on_cuda(config) -> KVCache:
     """Interleaved blocks, the tables read from a device copy refreshed when they change (as on
     CUDA, where the host's tables are not the device's) and never as a view."""
-    cache = KVCache(config, max_slots=4, max_len=MAX_LEN, num_blocks=48, block_size=4)
+    cache = KVCache(config, max_slots=5, max_len=MAX_LEN, num_blocks=48, block_size=4)  # no homes: 5 rows
     cache._shared_tables = False
     cache.device_tables = torch.from_numpy(cache.tables.copy())
     cache.allocate(4, tokens=0)
@@ -81,7 +92,7 @@ def decode_logits(model, cache: KVCache, slots: list[int]) -> list[torch.Tensor]
 @pytest.mark.parametrize("slots", [[2, 0, 3], [0], [1, 2, 3]], ids=["scattered rows", "one row", "a span"])
 def test_blocks_give_the_fixed_slot_cache_logits_bit_for_bit(model, slots):
     reference = decode_logits(model, fixed_slots(model.config), slots)
-    for layout in (interleaved_blocks, runs_of_blocks, tables_copied_as_on_cuda):
+    for layout in (interleaved_blocks, runs_of_blocks, rows_growing_at_home, tables_copied_as_on_cuda):
         cache = layout(model.config)
         for ours, theirs in zip(decode_logits(model, cache, slots), reference, strict=True):
             assert torch.equal(ours, theirs), layout.__name__
@@ -91,6 +102,7 @@ def test_reads_are_views_only_where_the_blocks_lie_like_slots(model):
     interleaved, runs = interleaved_blocks(model.config), runs_of_blocks(model.config)
     assert interleaved._view(slice(0, 1), blocks_for(MAX_LEN, 4)) is None  # row 0 is not one run
     assert runs._view(slice(1, 4), blocks_for(MAX_LEN, 4)) == (1 + 12, 12)  # rows 1..3: every 12th block
+    assert rows_growing_at_home(model.config)._view(slice(0, 4), blocks_for(MAX_LEN, 4)) == (1, 12)
     keys, _ = runs.read(0, runs.batch([1, 2, 3]), 20)
     assert keys._base is not None and keys.data_ptr() == runs.keys[0, :, 13 * 4].data_ptr()
 
