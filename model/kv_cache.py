@@ -1,4 +1,14 @@
-"""Preallocated key/value cache: fixed tensors, slots owned by sequences, written by index."""
+"""Key/value cache as a pool of fixed-size blocks, each running sequence's row a block table.
+
+A *row* (a "slot" in the engine's words) is a running sequence's index in the batch: what the
+input batch and the sampler index by. Its keys and values live in blocks of BLOCK_SIZE positions
+taken from one pool as it grows (vLLM's PagedAttention, nano-vllm's block manager), so memory
+goes to tokens that exist, not to rows × the full context. The pool's size is a memory budget.
+
+Block 0 is a scratch block, never given to a row: a row's table entries beyond its own blocks
+point at it, so padded decode rows (service/engine/graphs.py) write there and a batch's reads of
+positions past a row's length (masked, or sliced off) stay inside the pool.
+"""
 
 from __future__ import annotations
 
@@ -11,13 +21,28 @@ import torch
 from model.config import GPT2Config
 from model.transfer import to_device
 
+# Positions per block. Measured on the CPU (docs/engine.md, "KV cache"): gathering one layer of
+# 16 rows × 512 positions of GPT-2 124M took 56, 51, 52 and 47 ms with blocks of 8, 16, 32 and
+# 64 (within this machine's noise); 16 wastes least in a partial block (vLLM's default too).
+BLOCK_SIZE = 16
+SCRATCH = 0  # the block unallocated table entries point at
+
+
+def blocks_for(tokens: int, block_size: int = BLOCK_SIZE) -> int:
+    return -(-tokens // block_size)
+
+
+def bytes_per_token(config: GPT2Config, dtype: torch.dtype) -> int:
+    """Keys and values of one position in every layer."""
+    return 2 * config.n_layer * config.n_embd * torch.empty((), dtype=dtype).element_size()
+
 
 @dataclass(frozen=True)
 class SlotBatch:
-    """The cache rows one forward pass reads and writes, row b of the batch using slot ids[b].
+    """The rows one forward pass reads and writes, row b of the batch being row ids[b].
 
-    `span` is set when the slots are consecutive, so attention can read the cache through a view
-    instead of gathering rows (the gather would copy every cached key and value once per layer).
+    `span` is set when the rows are consecutive: the host then knows which they are without a
+    device read, and attention may read their blocks through a view (`KVCache.read`).
     """
 
     ids: torch.Tensor  # [B] long, on the cache's device
@@ -25,12 +50,15 @@ class SlotBatch:
 
 
 class KVCache:
-    """Keys and values for `max_slots` sequences of up to `max_len` tokens.
+    """Keys and values for `max_slots` rows of up to `max_len` positions, in `num_blocks` blocks.
 
-    Layout [n_layer, slot, n_head, position, head_dim]: one slot's keys for one layer form a
-    [n_head, position, head_dim] block, the shape scaled_dot_product_attention reads. Keys and
-    values are the two halves of one tensor `kv` [2, n_layer, ...], so a layer's new keys and
-    values are stored by one indexed copy, straight from the QKV projection's output.
+    Layout [n_layer, 2, n_head, block·position, head_dim]: block b of a head is the run of
+    positions b·BLOCK_SIZE..(b+1)·BLOCK_SIZE-1, so a row whose blocks are consecutive is one
+    [n_head, length, head_dim] view, the shape scaled_dot_product_attention reads, and a gather
+    of any rows copies whole blocks. Keys and values are the two halves of `kv`, so a layer's new
+    keys and values are stored by one indexed copy, straight from the QKV projection's output.
+
+    `num_blocks` defaults to max_slots full-length rows (the bytes a cache of fixed slots took).
     """
 
     def __init__(
@@ -40,24 +68,54 @@ class KVCache:
         max_len: int,
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
+        num_blocks: int | None = None,
+        block_size: int = BLOCK_SIZE,
     ) -> None:
         if not 1 <= max_len <= config.n_positions:
             raise ValueError(f"max_len must be in [1, {config.n_positions}], got {max_len}")
         if max_slots < 1:
             raise ValueError(f"max_slots must be at least 1, got {max_slots}")
-        shape = (2, config.n_layer, max_slots, config.n_head, max_len, config.head_dim)
+        self.block_size = block_size
+        self.blocks_per_row = blocks_for(max_len, block_size)
+        num_blocks = max_slots * self.blocks_per_row if num_blocks is None else num_blocks
+        if num_blocks < 1:
+            raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
+        self.num_blocks = num_blocks  # usable blocks, the scratch block not counted
+        shape = (config.n_layer, 2, config.n_head, (num_blocks + 1) * block_size, config.head_dim)
         self.kv = torch.zeros(shape, device=device, dtype=dtype)
-        self.keys, self.values = self.kv.unbind(0)  # views: [n_layer, slot, n_head, position, head_dim]
+        self.keys, self.values = self.kv.unbind(1)  # views: [n_layer, n_head, block·position, head_dim]
+        self.head_dim = config.head_dim
+        self._gathered = self.kv.new_empty(0)  # what `read` gathers into (valid until the next read)
         self.max_slots = max_slots
         self.max_len = max_len
         self.device = torch.device(device)
-        # A heap so the lowest free slot is reused first: running slots stay packed at the
-        # bottom, which keeps most decode batches on the no-copy `span` path.
+        # A heap so the lowest free row is reused first: running rows stay packed at the bottom,
+        # which keeps most decode batches one span.
         self._free: list[int] = list(range(max_slots))
         self._used: set[int] = set()
         self.in_use = np.zeros(max_slots, dtype=bool)  # the same as a mask, for array operations
+        # Block tables: row r's i-th block, SCRATCH where it has none. On the host, where the
+        # scheduler edits them; the device copy is refreshed before a forward reads it.
+        self.tables = np.full((max_slots, self.blocks_per_row), SCRATCH, dtype=np.int64)
+        self.row_blocks = np.zeros(max_slots, dtype=np.int64)  # blocks each row holds
+        self._shared_tables = self.device.type == "cpu"  # the device copy is the host array itself
+        self.device_tables = torch.from_numpy(self.tables) if self._shared_tables else to_device(self.tables, self.device)
+        self._tables_stale = False
+        # Free blocks: a set, and a heap (lowest first) that may still list blocks taken out of
+        # turn (`_take_block`), skipped when popped.
+        self._free_block_set: set[int] = set(range(1, num_blocks + 1))
+        # Rows whose tables list each block: several share a forked prompt's blocks (read only;
+        # one that writes into a shared block first copies it: `writable`).
+        self.refs = np.zeros(num_blocks + 1, dtype=np.int64)
+        # Where the pool holds every row at full length, row r prefers the blocks a fixed slot r
+        # had (its home): rows running side by side then read as one view, as slots did.
+        self.homes = num_blocks >= max_slots * self.blocks_per_row
+        self._free_blocks: list[int] = list(range(1, num_blocks + 1))
+        self._views: dict[tuple[int, int, int], tuple[int, int] | None] = {}  # (first row, rows, blocks) → view
+        self._views_version = 0
+        self._views_at = -1
 
-    # --- slot ownership -------------------------------------------------------------------
+    # --- rows -----------------------------------------------------------------------------------
     @property
     def slots_used(self) -> int:
         return len(self._used)
@@ -70,16 +128,24 @@ class KVCache:
     def usage_ratio(self) -> float:
         return len(self._used) / self.max_slots
 
-    def allocate(self, count: int = 1) -> list[int]:
+    def allocate(self, count: int = 1, tokens: int | None = None) -> list[int]:
+        """The lowest free rows, each with blocks for `tokens` positions (default max_len: a
+        row that holds a whole sequence, as a caller writing positions directly expects)."""
         if count > len(self._free):
-            raise RuntimeError(f"KV cache full: asked for {count} slots, {len(self._free)} free")
+            raise RuntimeError(f"KV cache full: asked for {count} rows, {len(self._free)} free")
+        tokens = self.max_len if tokens is None else tokens
+        if count * blocks_for(tokens, self.block_size) > self.blocks_free:
+            raise RuntimeError(f"KV cache full: {count} rows of {tokens} positions need more than the "
+                               f"{self.blocks_free} free blocks")
         slots = [heapq.heappop(self._free) for _ in range(count)]
         self._used.update(slots)
         self.in_use[slots] = True
+        for slot in slots:
+            self.ensure(slot, tokens)
         return slots
 
     def claim(self, slot: int) -> None:
-        """Take one particular free slot (one whose contents a new sequence reuses)."""
+        """Take one particular free row (keeping whatever blocks it still holds)."""
         if slot in self._used or not 0 <= slot < self.max_slots:
             raise RuntimeError(f"slot {slot} is not free")
         self._free.remove(slot)
@@ -89,64 +155,241 @@ class KVCache:
 
     @property
     def packed(self) -> bool:
-        """The slots in use are 0..slots_used-1: no free slot below a used one."""
+        """The rows in use are 0..slots_used-1: no free row below a used one."""
         return not self._free or self._free[0] >= len(self._used)
 
     @property
     def free_slots(self) -> list[int]:
         return sorted(self._free)
 
-    def free(self, slots: list[int] | int) -> None:
+    def free(self, slots: list[int] | int, keep_blocks: bool = False) -> None:
+        """Give rows back; their blocks too unless `keep_blocks` (a free row that keeps what it
+        cached for a later prompt: the engine's prefix cache)."""
         for slot in [slots] if isinstance(slots, int) else slots:
             if slot not in self._used:
                 raise RuntimeError(f"slot {slot} is not in use")
             self._used.remove(slot)
             self.in_use[slot] = False
             heapq.heappush(self._free, slot)
+            if not keep_blocks:
+                self.release(slot)
 
-    # --- tensors ----------------------------------------------------------------------------
+    # --- blocks ---------------------------------------------------------------------------------
+    @property
+    def blocks_free(self) -> int:
+        return len(self._free_block_set)
+
+    def blocks_of(self, slot: int) -> list[int]:
+        return self.tables[slot, : self.row_blocks[slot]].tolist()
+
+    def ensure(self, slot: int, tokens: int) -> bool:
+        """Give the row blocks for its first `tokens` positions; False (nothing taken) when the
+        pool has too few free blocks. The next block is the row's home block where the pool has
+        homes, else the one after the row's last, where free: a row growing alone stays one run
+        (read as a view)."""
+        needed = blocks_for(min(tokens, self.max_len), self.block_size) - int(self.row_blocks[slot])
+        if needed <= 0:
+            return True
+        if needed > len(self._free_block_set):
+            return False
+        held = int(self.row_blocks[slot])
+        previous = int(self.tables[slot, held - 1]) if held else None
+        for index in range(held, held + needed):
+            if self.homes:
+                wanted = 1 + slot * self.blocks_per_row + index
+            else:
+                wanted = previous + 1 if previous is not None else None
+            block = self._take_block(wanted)
+            self.tables[slot, index] = previous = block
+        self.row_blocks[slot] = held + needed
+        self._tables_changed()
+        return True
+
+    def release(self, slot: int) -> list[int]:
+        """Let go of every block the row holds; those no other row holds go back to the pool
+        (returned)."""
+        held = self.blocks_of(slot)
+        self.refs[held] -= 1
+        blocks = [block for block in held if self.refs[block] == 0]
+        for block in blocks:
+            self._free_block_set.add(block)
+            heapq.heappush(self._free_blocks, block)
+        if len(self._free_blocks) > 2 * self.num_blocks:  # stale entries outnumber the pool
+            self._free_blocks = sorted(self._free_block_set)
+        self.tables[slot] = SCRATCH
+        self.row_blocks[slot] = 0
+        if held:
+            self._tables_changed()
+        return blocks
+
+    def fork(self, src: int, dst: int, tokens: int) -> None:
+        """Row dst (holding no blocks) shares row src's blocks for its first `tokens` positions:
+        several samples of one prompt hold the prompt once."""
+        if self.row_blocks[dst]:
+            raise RuntimeError(f"row {dst} still holds blocks")
+        count = min(blocks_for(tokens, self.block_size), int(self.row_blocks[src]))
+        self.tables[dst, :count] = self.tables[src, :count]
+        self.row_blocks[dst] = count
+        self.refs[self.tables[src, :count]] += 1
+        self._tables_changed()
+
+    def writable(self, slot: int, start: int, end: int) -> bool:
+        """Make the row's blocks holding positions [start, end) its own: a shared one is copied
+        into a new block first (copy on write). False (nothing changed) when the pool has too few
+        free blocks."""
+        first, last = start // self.block_size, min(blocks_for(end, self.block_size), int(self.row_blocks[slot]))
+        shared = [index for index in range(first, last) if self.refs[self.tables[slot, index]] > 1]
+        if not shared:
+            return True
+        if len(shared) > len(self._free_block_set):
+            return False
+        old = self.tables[slot, shared].tolist()
+        new = [self._take_block(None) for _ in shared]
+        self.refs[old] -= 1
+        self.tables[slot, shared] = new
+        self._tables_changed()
+        self._copy_blocks(old, new)
+        return True
+
+    def move_row(self, src: int, dst: int) -> None:
+        """Row src's blocks become row dst's and dst's become src's: a packing move is a table
+        move, no key or value is copied."""
+        self.tables[[src, dst]] = self.tables[[dst, src]]
+        self.row_blocks[[src, dst]] = self.row_blocks[[dst, src]]
+        self._tables_changed()
+
+    def _take_block(self, wanted: int | None) -> int:
+        if wanted is None or wanted not in self._free_block_set:
+            wanted = heapq.heappop(self._free_blocks)
+            while wanted not in self._free_block_set:  # taken out of turn earlier
+                wanted = heapq.heappop(self._free_blocks)
+        self._free_block_set.remove(wanted)
+        self.refs[wanted] = 1
+        return wanted
+
+    def _tables_changed(self) -> None:
+        self._views_version += 1
+        if not self._shared_tables:
+            self._tables_stale = True
+
+    def sync_tables(self) -> None:
+        """Copy the host's tables to the device (CUDA) when the scheduler changed them."""
+        if self._tables_stale:
+            self.device_tables.copy_(torch.from_numpy(self.tables), non_blocking=False)
+            self._tables_stale = False
+
+    # --- tensors ----------------------------------------------------------------------------------
     def batch(self, slots: list[int], ids: torch.Tensor | None = None) -> SlotBatch:
-        """`ids`: the slots as a tensor on the device already (copied there with other inputs)."""
+        """`ids`: the rows as a tensor on the device already (copied there with other inputs)."""
         if ids is None:
             ids = to_device(slots, self.device)
         consecutive = all(b == a + 1 for a, b in zip(slots, slots[1:]))
         span = slice(slots[0], slots[-1] + 1) if slots and consecutive else None
         return SlotBatch(ids=ids, span=span)
 
+    def _token_index(self, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Each (row, position)'s place in the pool's position axis."""
+        self.sync_tables()
+        blocks = self.device_tables[slots, positions // self.block_size]
+        return blocks * self.block_size + positions % self.block_size
+
     def write(self, layer: int, rows: SlotBatch, positions: torch.Tensor, kv: torch.Tensor) -> None:
-        """Store kv [B, T, 2, H, d_h] (keys, then values) at each row's slot and positions [B, T]."""
-        slot_index = rows.ids[:, None].expand_as(positions)  # [B, T]
-        self.kv[:, layer][:, slot_index, :, positions] = kv
+        """Store kv [B, T, 2, H, d_h] (keys, then values) at each row's positions [B, T]."""
+        index = self._token_index(rows.ids[:, None].expand_as(positions), positions)  # [B, T]
+        self.kv[layer][:, :, index] = kv.permute(2, 3, 0, 1, 4)  # [2, H, B, T, d_h]
 
     def write_tokens(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, kv: torch.Tensor) -> None:
-        """Store kv [N, 2, H, d_h] (keys, then values) of N tokens at their slots [N] and positions [N]."""
-        self.kv[:, layer][:, slots, :, positions] = kv
+        """Store kv [N, 2, H, d_h] (keys, then values) of N tokens at their rows [N] and positions [N]."""
+        index = self._token_index(slots, positions)  # [N]
+        self.kv[layer][:, :, index] = kv.permute(1, 2, 0, 3)  # [2, H, N, d_h]
 
     def read(self, layer: int, rows: SlotBatch, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of the first `length` positions of each row: [B, H, length, d_h]."""
-        if rows.span is not None:
-            return (
-                self.keys[layer, rows.span, :, :length],
-                self.values[layer, rows.span, :, :length],
-            )
-        return (
-            self.keys[layer, rows.ids, :, :length],
-            self.values[layer, rows.ids, :, :length],
-        )
+        """Keys and values of the first `length` positions of each row: [B, H, length, d_h].
 
-    def scrub(self, slots: list[int]) -> None:
-        """Zero what the slots hold: a failed sequence's keys and values may not be finite, and
-        a later sequence's masked positions still multiply them (0 * NaN is NaN)."""
-        self.kv[:, :, slots] = 0
+        A view where the rows' blocks lie as a fixed-size slot cache's would (each row one run
+        of blocks, the runs evenly spaced: a lone row grown alone, most often), else one gather
+        of the rows' blocks (valid until the next read). Either way the same numbers."""
+        blocks = blocks_for(length, self.block_size)
+        view = self._view(rows.span, blocks) if rows.span is not None else None
+        if view is not None:
+            first, row_stride = view
+            keys, values = self.keys[layer], self.values[layer]  # [H, N, d_h]
+            size = (rows.span.stop - rows.span.start, keys.shape[0], length, keys.shape[2])
+            strides = (row_stride * self.block_size * keys.stride(1), keys.stride(0), keys.stride(1), keys.stride(2))
+            offset = first * self.block_size * keys.stride(1)
+            return (keys.as_strided(size, strides, keys.storage_offset() + offset),
+                    values.as_strided(size, strides, values.storage_offset() + offset))
+        self.sync_tables()
+        table = self.device_tables[rows.span if rows.span is not None else rows.ids, :blocks]  # [B, nb]
+        by_block = self.kv[layer].view(-1, self.num_blocks + 1, self.block_size * self.head_dim)  # [2H, blocks, ·]
+        count = table.numel()
+        # Into a buffer kept between reads: a fresh tensor of this size costs more in page
+        # faults than the copy itself.
+        if self._gathered.numel() < by_block.shape[0] * count * by_block.shape[2]:
+            self._gathered = by_block.new_empty(by_block.shape[0] * count * by_block.shape[2])
+        out = self._gathered[: by_block.shape[0] * count * by_block.shape[2]].view(by_block.shape[0], count, -1)
+        torch.index_select(by_block, 1, table.reshape(-1), out=out)  # [2H, B·nb, block_size·d_h]
+        H, B = self.kv.shape[2], table.shape[0]
+        gathered = out.view(2, H, B, -1, self.head_dim).transpose(1, 2)[:, :, :, :length]  # [2, B, H, length, d_h]
+        return gathered[0], gathered[1]
+
+    def _view(self, span: slice, blocks: int) -> tuple[int, int] | None:
+        """(first block, blocks between rows) when rows span's first `blocks` blocks can be read
+        as one strided view; None when they must be gathered. Only on the CPU, where nothing is
+        captured: a CUDA graph must not bake in a view of blocks that later change hands."""
+        if not self._shared_tables:
+            return None
+        if self._views_at != self._views_version:
+            self._views.clear()
+            self._views_at = self._views_version
+        key = (span.start, span.stop, blocks)
+        if key not in self._views:
+            self._views[key] = self._find_view(self.tables[span, :blocks])  # [rows, blocks]
+        return self._views[key]
+
+    def _find_view(self, table: np.ndarray) -> tuple[int, int] | None:
+        """Each row's blocks one run, the runs' starts evenly spaced. Past its own blocks (SCRATCH
+        entries) a row's view reads the blocks its run would continue into, as a fixed slot read
+        its stale positions: only positions past the row's length, which attention slices off
+        or masks."""
+        starts = table[:, 0]
+        if (starts == SCRATCH).any():
+            return None
+        runs = table - table[:, :1]  # each row's blocks minus its first
+        if not ((runs == np.arange(table.shape[1])) | (table == SCRATCH)).all():
+            return None
+        first = int(starts[0])
+        stride = int(starts[1] - starts[0]) if len(starts) > 1 else 0
+        if stride < 0 or not (starts == first + stride * np.arange(len(starts))).all():
+            return None
+        if int(starts[-1]) + table.shape[1] > self.num_blocks + 1:  # a run would leave the pool
+            return None
+        return first, stride
+
+    def scrub(self, blocks: list[int]) -> None:
+        """Zero blocks (and the scratch block): a failed sequence's keys and values may not be
+        finite, and a later sequence's masked positions still multiply them (0 * NaN is NaN)."""
+        by_block = self.kv.view(*self.kv.shape[:3], -1, self.block_size, self.kv.shape[-1])
+        by_block[:, :, :, [SCRATCH, *blocks]] = 0
 
     def copy_slots(self, src: list[int], dst: list[int], length: int) -> None:
-        """Make slot dst[i] hold what src[i] holds (beam reordering), on the device."""
+        """Make row dst[i] hold what src[i] holds in its first `length` positions (beam
+        reordering), on the device; the dst rows hold blocks for them."""
         if not src:
             return
+        count = blocks_for(length, self.block_size)
+        src_blocks = self.tables[src, :count].reshape(-1)
+        dst_blocks = self.tables[dst, :count].reshape(-1)
+        if (dst_blocks == SCRATCH).any() or (src_blocks == SCRATCH).any():
+            raise RuntimeError(f"copy_slots: rows {src} → {dst} do not all hold {length} positions")
+        self._copy_blocks(src_blocks.tolist(), dst_blocks.tolist())
+
+    def _copy_blocks(self, src: list[int], dst: list[int]) -> None:
         src_ids, dst_ids = to_device([src, dst], self.device)
-        # Indexing on the right copies first, so a permutation among the same slots is safe.
-        self.kv[:, :, dst_ids, :, :length] = self.kv[:, :, src_ids, :, :length]
+        by_block = self.kv.view(*self.kv.shape[:3], -1, self.block_size, self.kv.shape[-1])
+        # Indexing on the right copies first, so a permutation among the same blocks is safe.
+        by_block[:, :, :, dst_ids] = by_block[:, :, :, src_ids]
 
     def swap_slots(self, a: int, b: int, length: int) -> None:
-        """Exchange the first `length` positions of two slots."""
-        self.copy_slots([a, b], [b, a], length)
+        """Exchange two rows' contents (their block tables)."""
+        self.move_row(a, b)

@@ -41,7 +41,7 @@ from service.http.auth import BearerAuthMiddleware
 from service.http.body_limit import BodyLimitMiddleware
 from service.http.client import EngineClient
 from service.http.core_link import CoreLink
-from service.engine.core import EngineConfig
+from service.engine.core import DEFAULT_KV_CACHE_SEQUENCES, EngineConfig
 from service.engine.process import CoreProcessConfig
 from service.http.drain import Drain, DrainMiddleware
 from service.common.errors import install_error_handlers
@@ -99,6 +99,8 @@ def core_config(settings: Settings, context_length: int, eos_token_id: int) -> C
     engine_config = EngineConfig(
         max_slots=settings.max_batch_size,
         max_len=context_length,
+        kv_cache_bytes=settings.kv_cache_bytes,
+        kv_cache_sequences=DEFAULT_KV_CACHE_SEQUENCES,
         # The HTTP side admits at most max_batch_size + max_waiting requests (429 beyond), so
         # the core's own queue never refuses one: a beam request holds several slots, so up to
         # all of them may wait.

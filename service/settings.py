@@ -54,7 +54,12 @@ class Settings(BaseSettings):
     )
 
     # --- engine limits ----------------------------------------------------------------------
-    max_batch_size: int = Field(16, ge=1, le=1024, description="KV-cache slots: sequences decoded together")
+    max_batch_size: int = Field(16, ge=1, le=1024, description="sequences decoded together (running rows); the KV"
+                                " cache's memory, --kv-cache-bytes, bounds their tokens")
+    kv_cache_bytes: int | None = Field(
+        None, ge=1, description="bytes of keys and values the KV cache's block pool holds; default: 16 full-context"
+        " sequences' (the cache of 16 fixed slots before it was paged: 1.2 GB for GPT-2 124M in float32)",
+    )
     max_seq_len: int | None = Field(
         None, ge=2, description="prompt + generated tokens per sequence; default: the model's context"
     )

@@ -103,6 +103,16 @@ class Metrics:
         self.generated_tokens = Counter(
             "gpt2_generated_tokens", "Tokens generated, over all returned sequences", registry=r
         )
+        self.prefix_cache_hits = Counter(
+            "gpt2_prefix_cache_hits", "Requests admitted reusing a prefix the KV cache kept", registry=r
+        )
+        self.prefix_cache_evictions = Counter(
+            "gpt2_prefix_cache_evictions", "Kept prefixes given up, least recently used first, to make room", registry=r
+        )
+        self.kv_preemptions = Counter(
+            "gpt2_kv_preemptions", "Running requests sent back to the queue (recomputed later) for want of KV blocks",
+            registry=r,
+        )
         self.decode_steps = Counter(
             "gpt2_decode_sequence_steps", "Sequence-steps of decoding: one pass over the weights for one sequence", registry=r
         )
@@ -157,6 +167,9 @@ class Metrics:
         self.decode_tokens.inc(stats.decode_output_tokens)
         self.draft_tokens.inc(stats.draft_tokens)
         self.accepted_tokens.inc(stats.accepted_tokens)
+        self.prefix_cache_hits.inc(stats.prefix_hits)
+        self.prefix_cache_evictions.inc(stats.prefix_evictions)
+        self.kv_preemptions.inc(stats.preemptions)
 
     def observe_step_gauges(self, stats: StepStats) -> None:
         """The step's gauges alone: with --api-servers N every HTTP process gets every step's stats,

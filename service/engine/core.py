@@ -29,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from model.gpt2 import GPT2
-from model.kv_cache import KVCache
+from model.kv_cache import BLOCK_SIZE, KVCache, blocks_for, bytes_per_token
 from service.engine.adapters import ServedAdapters
 from service.engine.grammar import Grammars
 from service.engine.ngram_drafter import NgramSettings
@@ -42,10 +42,20 @@ from service.engine.types import CoreStep, GenerationRequest, RequestFailed, Ste
 log = logging.getLogger(__name__)
 
 
+# The service's default KV budget, in full-context sequences: the bytes its default of 16 fixed
+# slots took before the cache was paged (--kv-cache-bytes sets it).
+DEFAULT_KV_CACHE_SEQUENCES = 16
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     max_slots: int = 8  # sequences decoded together; KV-cache rows
     max_len: int | None = None  # tokens per sequence (prompt + new); default: the model's context
+    # The KV cache's memory budget: its block pool holds this many bytes of keys and values;
+    # None: kv_cache_sequences sequences of max_len tokens (default max_slots of them, what a
+    # cache of fixed slots took). max_slots bounds the sequences running, the budget their tokens.
+    kv_cache_bytes: int | None = None
+    kv_cache_sequences: int | None = None
     max_waiting: int = 64  # requests queued beyond the running ones; more raise QueueFull
     # Prompt tokens one step prefills; a longer prompt is prefilled
     # in chunks of at most this many, between the decode steps of the running sequences.
@@ -67,6 +77,20 @@ class EngineConfig:
     overlap: bool | None = None
 
 
+def kv_blocks(engine: EngineConfig, max_len: int, config, dtype: torch.dtype) -> int | None:
+    """Blocks the engine's KV budget holds (None: the cache's default, max_slots full rows)."""
+    per_block = bytes_per_token(config, dtype) * BLOCK_SIZE
+    if engine.kv_cache_bytes is not None:
+        budget = engine.kv_cache_bytes
+    elif engine.kv_cache_sequences is not None:
+        budget = engine.kv_cache_sequences * blocks_for(max_len) * per_block
+    else:
+        return None
+    if budget < per_block:
+        raise ValueError(f"a KV cache of {budget} bytes holds no block of {BLOCK_SIZE} positions ({per_block} bytes)")
+    return budget // per_block
+
+
 class EngineCore:
     def __init__(
         self,
@@ -85,13 +109,15 @@ class EngineCore:
         self.device = model.device
         self.clock = clock
         max_len = config.max_len or model.config.n_positions
-        self.cache = KVCache(model.config, config.max_slots, max_len, self.device, model.dtype)
+        self.cache = KVCache(model.config, config.max_slots, max_len, self.device, model.dtype,
+                             num_blocks=kv_blocks(config, max_len, model.config, model.dtype))
         self.scheduler = Scheduler(self.cache, config.max_waiting, config.max_prefill_tokens, eos_token_id,
                                    config.prefix_caching, grammars, config.speculative)
         self.runner = ModelRunner(self.model, self.cache, eos_token_id, grammars, config.speculative,
                                   config.static_decode, config.adapters)
         self.overlap = config.overlap if config.overlap is not None else self.device.type == "cuda"
         self._launched: LaunchedStep | None = None  # the step launched, tokens not yet read
+        self._counted = (0, 0)  # preemptions and prefix evictions the steps' stats have reported
 
     @property
     def adapters(self) -> ServedAdapters:
@@ -123,7 +149,7 @@ class EngineCore:
         started = self.clock()
         results = StepResults()
         failed: list[RequestFailed] = []
-        prefill_tokens = cached_tokens = decode_tokens = batch_size = 0
+        prefill_tokens = cached_tokens = decode_tokens = batch_size = prefix_hits = 0
         scheduler, runner = self.scheduler, self.runner
         try:
             # Overlap: this step is launched before the previous one's tokens are read. A request
@@ -136,6 +162,7 @@ class EngineCore:
             plan = scheduler.schedule(started, runner.exhausted() if previous is not None else [], previous is not None)
             results.done += [scheduler.finish(state) for state in plan.cancelled]
             prefill_tokens, cached_tokens = plan.prefill_tokens, plan.cached_tokens
+            prefix_hits = sum(1 for state in plan.admitted if state.reused)
             if plan.beams:  # one output token per step each beam
                 results.decode_output_tokens += sum(len(s.live) for s in plan.decode if s.beam is not None)
             runner.prepare(plan)
@@ -179,8 +206,19 @@ class EngineCore:
             decode_output_tokens=results.decode_output_tokens,
             draft_tokens=results.draft_tokens,
             accepted_tokens=results.accepted_tokens,
+            prefix_hits=prefix_hits,
+            **self._kv_stats(),
         )
         return CoreStep(results.tokens, results.started, results.done, failed, stats)
+
+    def _kv_stats(self) -> dict[str, int]:
+        """The block pool's use and the preemptions and evictions since the last step's stats."""
+        cache, scheduler = self.cache, self.scheduler
+        counts = (scheduler.preemptions, scheduler.prefix.evictions)
+        (preemptions, evictions), self._counted = [now - before for now, before in zip(counts, self._counted)], counts
+        kept = sum(int(cache.row_blocks[slot]) for slot in scheduler.prefix.retained)
+        return {"kv_blocks_used": cache.num_blocks - cache.blocks_free - kept, "kv_blocks_total": cache.num_blocks,
+                "preemptions": preemptions, "prefix_evictions": evictions}
 
     def _update(self, launched: LaunchedStep, results: StepResults) -> None:
         """Read a launched step's tokens into the scheduler, then tell the runner what they said."""

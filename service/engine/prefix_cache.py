@@ -14,6 +14,7 @@ would compute, up to the order of floating-point sums. A failed step forgets eve
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from model.lora import BASE
@@ -97,10 +98,14 @@ def reusable_length(
 
 
 class PrefixCache:
-    def __init__(self, enabled: bool) -> None:
+    def __init__(self, enabled: bool, release: Callable[[int], object] | None = None) -> None:
+        """`release`: gives a free slot's blocks back to the KV cache's pool, when what the slot
+        held is forgotten (not when it is adopted or dropped to be overwritten: `drop`)."""
         self.enabled = enabled
         self.retained: dict[int, Retained] = {}  # free slot → what it still holds
         self._clock = 0
+        self._release = release or (lambda slot: None)
+        self.evictions = 0  # kept prefixes given up to make room (not those a failure forgot)
 
     def keep(self, slot: int, tokens: list[int], scored: ScoredPrefix | None, adapter: int = BASE) -> None:
         if self.enabled and tokens:
@@ -109,7 +114,8 @@ class PrefixCache:
 
     def forget_adapter(self, adapter: int) -> None:
         """An adapter was unloaded: its index may be given to another, whose keys differ."""
-        self.retained = {slot: kept for slot, kept in self.retained.items() if kept.adapter != adapter}
+        for slot in [slot for slot, kept in self.retained.items() if kept.adapter == adapter]:
+            self.evict(slot)
 
     def drop(self, slot: int) -> None:
         """The slot is given to a sequence: what it held is adopted or about to be overwritten."""
@@ -119,8 +125,21 @@ class PrefixCache:
         kept = self.retained.get(slot)
         return len(kept.tokens) if kept else 0
 
+    def evict(self, slot: int) -> None:
+        """Forget what a free slot holds and give its blocks back."""
+        self.evictions += slot in self.retained
+        self.forget(slot)
+
+    def forget(self, slot: int) -> None:
+        self.retained.pop(slot, None)
+        self._release(slot)
+
+    def least_recently_used(self) -> list[int]:
+        return sorted(self.retained, key=self._last_used)
+
     def clear(self) -> None:
-        self.retained.clear()
+        for slot in list(self.retained):
+            self.forget(slot)
 
     def eviction_order(self, free_slots: list[int], count: int | None = None) -> list[int]:
         """Free slots, those holding nothing first, then least recently used first; only the

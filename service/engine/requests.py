@@ -69,6 +69,9 @@ class RequestState:
     # launched before its last token was read (the core's overlap).
     host_paced: bool = False
     reported: bool = False  # its RequestDone was sent: nothing more is said about it
+    # Preempted after it generated tokens (scheduler._preempt): its `prompt_length` is then the
+    # tokens to prefill again (prompt and generated, but the last), and that prefill samples nothing.
+    resumed: bool = False
     adapter: int = BASE  # its LoRA adapter's index (set at submission, from the request's name)
 
     def __post_init__(self) -> None:
@@ -120,7 +123,12 @@ class PrefillChunk:
 
     @property
     def completes(self) -> bool:
-        return self.end == len(self.state.request.prompt_ids)
+        return self.end == self.state.prompt_length and not self.state.resumed
+
+    @property
+    def tokens(self) -> list[int]:
+        """The chunk's tokens: the prompt's, or a resumed sequence's own."""
+        return self.state.sequences[0].token_ids[self.start : self.end]
 
 
 @dataclass
@@ -128,10 +136,9 @@ class StepPlan:
     prefill: list[PrefillChunk]  # prompt chunks run this step; the last one of a prompt samples
     decode: list[RequestState]  # prefilled and running: one token per live sequence
     cancelled: list[RequestState]  # leave now; their slots (if any) are already free
-    # Done in this order before the forwards: (from slot, to slot, length, swap) packing moves,
-    # then (from slot, to slot, length) prefix copies from running sequences.
+    # Done before the forwards: (from slot, to slot, length, swap) packing moves (block-table
+    # moves already made by the scheduler: the input batch's rows follow).
     moves: list[tuple[int, int, int, bool]]
-    copies: list[tuple[int, int, int]]
     completing: list[RequestState]  # the requests whose prompt's last chunk runs: they sample
     prefill_tokens: int  # prompt tokens this step prefills
     cached_tokens: int = 0  # prompt tokens taken from the prefix cache by this step's admissions

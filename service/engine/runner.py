@@ -3,9 +3,9 @@ ModelRunner). It owns what the device holds for the running sequences: the KV ca
 persistent input batch (every per-slot value), the layout of a step's rows, the forwards (prefill,
 decode: static shapes and CUDA graphs where asked) and the sampler.
 
-- `prepare(plan)`: beam searches' reordering, slots to zero, packing moves and prefix copies in
-  the cache, and the plan's admitted sequences written into the input batch (on their slots
-  after the moves);
+- `prepare(plan)`: beam searches' reordering, blocks to zero, packing moves in the input batch
+  (the cache's block tables moved with the plan), and the plan's admitted sequences written into
+  the input batch;
 - `execute(plan)`: rows laid out, the forwards and the sampling queued, and the one device→host
   copy of what was drawn (read later with `read`: the core's overlap); where a grammar's mask
   waits for the step before to be read, the sampling is queued by `draw` once it is;
@@ -72,11 +72,11 @@ class ModelRunner:
                 self.cache.scrub(plan.scrub)
             for src, dst, length, swap in plan.moves:
                 self._move(src, dst, length, swap)
-            for src, dst, length in plan.copies:
-                self.cache.copy_slots([src], [dst], length)
         for state in plan.admitted:
             for seq in state.sequences:
                 self.batch.add(state, seq)
+            if state.resumed:  # preempted, back on a new slot: its last token there, as after a read
+                self.batch.set_drafted(state.sequences)
 
     def execute(self, plan: StepPlan, deferred: bool) -> LaunchedStep:
         """Queue the step's model work and sampling (and its beam searches' candidates).
@@ -140,23 +140,15 @@ class ModelRunner:
             self.cache,
             [chunk.state.sequences[0].slot for chunk in chunks],
             [chunk.start for chunk in chunks],
-            [chunk.state.request.prompt_ids[chunk.start : chunk.end] for chunk in chunks],
+            [chunk.tokens for chunk in chunks],
             hidden_states=any(chunk.state.params.prompt_logprobs for chunk in chunks),
             lora=self.adapters.rows(chunk.state.adapter for chunk in chunks),
         )
         for row, chunk in enumerate(chunks):
             if chunk.state.params.prompt_logprobs:
                 add_prompt_scores(self.model, chunk.state, chunk, out.hidden[row])
-        # Several sampled sequences of one prompt: the prompt ran once, into the first slot.
-        copies = [
-            (chunk.state.sequences[0].slot, seq)
-            for chunk in chunks
-            if chunk.completes and chunk.state.beam is None
-            for seq in chunk.state.sequences[1:]
-        ]
-        if copies:
-            longest = max(len(seq.token_ids) for _, seq in copies)
-            self.cache.copy_slots([s for s, _ in copies], [seq.slot for _, seq in copies], longest)
+        # Several sampled sequences of one prompt: the prompt ran once, into the first slot, whose
+        # blocks the others share (the scheduler forked them).
         return out.logits  # [B, V]
 
     def _decode(self, step_rows: StepRows) -> torch.Tensor:

@@ -20,9 +20,10 @@ from operator import attrgetter
 
 import numpy as np
 
-from model.kv_cache import KVCache
+from model.kv_cache import KVCache, blocks_for
 from model.lora import BASE
 from service.engine.beams import BeamMove, advance_beam_requests, beam_results, start_beam_search
+from service.engine.block_room import BlockRoom, OutOfBlocks, recomputable
 from service.engine.faults import RowFault
 from service.engine.grammar import Grammars
 from service.engine.ngram_drafter import NgramSettings
@@ -97,7 +98,8 @@ class Scheduler:
         self._beam_moves: list[BeamMove] = []  # what the beam searches read ask of the next plan
         self.max_waiting = max_waiting
         self.max_prefill_tokens = max_prefill_tokens
-        self.prefix = PrefixCache(prefix_caching)
+        self.prefix = PrefixCache(prefix_caching, release=cache.release)
+        self.room = BlockRoom(cache, self.prefix)
         # Kept up to date as requests come and go (_place, leave), so that neither a step nor an
         # admission asks every running request: the running requests in admission order, those
         # among them that need the host's tokens before each step (RequestState.host_paced), and
@@ -113,6 +115,7 @@ class Scheduler:
         self._active_ids: set[str] = set()  # submitted and not yet finished
         self._closed = False
         self.releases = 0  # sequences ended so far (finished or cancelled)
+        self.preemptions = 0  # running requests sent back to the queue for want of KV blocks
 
     # --- submission side ----------------------------------------------------------------------------
     def submit(self, requests: list[GenerationRequest], adapters: list[int] | None = None) -> list[RequestState]:
@@ -120,6 +123,7 @@ class Scheduler:
         each one's LoRA adapter index (default: the base model)."""
         for request in requests:
             validate_request(request, self.cache.max_len, self.cache.max_slots)
+            self.room.check_fits(request)
         ids = [r.request_id for r in requests]
         states = [RequestState(request, adapter=index) for request, index in zip(requests, adapters or [BASE] * len(requests))]
         with self._lock:
@@ -199,21 +203,24 @@ class Scheduler:
                 out = {id(state) for state in sitting_out}
                 decode = [state for state in decode if id(state) not in out]
                 paced = [state for state in paced if id(state) not in out]
-        pending: list[tuple[Sequence, Sequence, int]] = []  # (source, destination, length)
-        admitted = self._admit(now, budget, chunks, pending) if waiting else []
+        decode, chunks = self._grow(decode, chunks)  # a block for each row crossing into a new one
+        if paced:  # a drafter preempted by _grow drafts nothing
+            stepping = {id(state) for state in decode}
+            paced = [state for state in paced if id(state) in stepping]
+        admitted = self._admit(now, budget, chunks) if waiting else []
         moves = self._pack()
-        copies = [(source.slot, target.slot, length) for source, target, length in pending]
-        for _, target, length in pending:
-            target.cached = length
         for chunk in chunks:  # what the plan's forwards write, before anyone can read it
             state = chunk.state
-            state.prefilled = state.sequences[0].cached = chunk.end
-            if chunk.completes and state.beam is None:  # the runner copies the prompt to the others
+            first = state.sequences[0]
+            self.room.writable(first.slot, chunk.start, chunk.end)  # blocks it shares are copied first
+            state.prefilled = first.cached = chunk.end
+            if chunk.completes and state.beam is None:  # the others share the prompt's blocks
                 for seq in state.sequences[1:]:
+                    self.cache.fork(first.slot, seq.slot, chunk.end)
                     seq.cached = len(seq.token_ids)
         scrub, self._scrub = self._scrub, []
         beam_moves, self._beam_moves = self._beam_moves, []
-        plan = StepPlan(chunks, decode, cancelled, moves, copies, [chunk.state for chunk in chunks if chunk.completes],
+        plan = StepPlan(chunks, decode, cancelled, moves, [chunk.state for chunk in chunks if chunk.completes],
                         sum(chunk.end - chunk.start for chunk in chunks), sum(s.reused for s in admitted), admitted,
                         scrub, running=len(self.running), host_paced=self.host_paced_running, beams=self.beams_running,
                         sitting_out=[seq.slot for state in sitting_out for seq in state.live], beam_moves=beam_moves)
@@ -221,10 +228,13 @@ class Scheduler:
             # The batch a draft token is priced against: every running sequence (held slots: a
             # count, not a pass over the rows), those sitting this step out too (they run the next).
             plan.drafted = propose(paced, self.speculative, self.cache.slots_used + plan.prefill_tokens)
+            if plan.drafted:
+                self.room.grow_drafts(decode)  # a draft with no room left is cut, perhaps to nothing
+                plan.drafted = [seq for seq in plan.drafted if seq.draft]
         return plan
 
     def _admit(
-        self, now: float, budget: PrefillBudget, chunks: list[PrefillChunk], pending: list
+        self, now: float, budget: PrefillBudget, chunks: list[PrefillChunk]
     ) -> list[RequestState]:
         """Admit waiting requests in arrival order while slots and the prefill budget allow.
 
@@ -241,18 +251,20 @@ class Scheduler:
                         continue
                     prompt = state.request.prompt_ids
                     match = None
-                    if self.prefix.enabled:  # without the cache, nothing is reused or worth waiting for
+                    if self.prefix.enabled and not state.resumed:  # without the cache, nothing is reused or worth waiting for
                         adapter = state.adapter
                         match = self.prefix.best_match(prompt, state.score_alternatives,
                                                        self._running_prefixes(prompt[0], adapter), adapter)
                         if self._worth_waiting(state, match.length if match else 0):
                             continue
                     reused = match.length if match else 0
-                    size = budget.take(len(prompt) - reused)
+                    if not self.room.admits(state, match, len(self.running)):
+                        break  # nor for blocks
+                    size = budget.take(state.prompt_length - reused)
                     if not size:
                         break
                     admitted.append(state)
-                    self._place(state, match, now, pending)
+                    self._place(state, match, now)
                     chunks.append(PrefillChunk(state, reused, reused + size))
             finally:  # also when starting one failed: those admitted before it are running
                 taken = {id(state) for state in admitted}
@@ -284,8 +296,9 @@ class Scheduler:
                 return True
         return False
 
-    def _place(self, state: RequestState, match: PrefixMatch | None, now: float, pending: list) -> None:
-        """Give an admitted request its slots, the first one holding the reused prefix."""
+    def _place(self, state: RequestState, match: PrefixMatch | None, now: float) -> None:
+        """Give an admitted request its slots, the first one holding the reused prefix: a kept
+        one's blocks in place, or a running sequence's, shared."""
         state.scheduled_time = now
         free = self.cache.free_slots
         if match is not None and match.adopt:
@@ -295,11 +308,19 @@ class Scheduler:
             slots = self.prefix.eviction_order(free, state.slots_needed)
         for slot in slots:
             self.cache.claim(slot)
+            if match is None or slot != match.slot:
+                self.prefix.evictions += slot in self.prefix.retained
+                self.cache.release(slot)  # what it kept is overwritten
             self.prefix.drop(slot)
+        shared = (match.source.slot, match.length) if match is not None and not match.adopt else None
+        self.room.place(state, slots, shared)  # blocks for the prompt
         # Running before it starts: if starting it fails, the step's failure handling reports it.
         self.running.append(state)
         try:
-            state.sequences = self._new_sequences(state, slots)
+            if state.resumed:  # preempted: its sequence goes on, on a new row
+                state.sequences[0].slot = slots[0]
+            else:
+                state.sequences = self._new_sequences(state, slots)
         except Exception:
             self.cache.free(slots)
             raise
@@ -310,11 +331,7 @@ class Scheduler:
             return
         state.prefilled = state.reused = match.length
         state.prompt_scores = match.scores
-        first = state.sequences[0]
-        if match.adopt:
-            first.cached = match.length
-        else:
-            pending.append((match.source, first, match.length))
+        state.sequences[0].cached = match.length
 
     def _new_sequences(self, state: RequestState, slots: list[int]) -> list[Sequence]:
         """An admitted request's sequences on its slots: seeds, beam search, drafter, grammar."""
@@ -427,8 +444,10 @@ class Scheduler:
         """The sequence ends; its slot keeps what it cached for prompts that share it."""
         seq.finish_reason = reason
         self.releases += 1
-        self.cache.free(seq.slot)
+        self.cache.free(seq.slot, keep_blocks=True)
         self.prefix.keep(seq.slot, seq.token_ids[: seq.cached], state.scored_prefix, seq.adapter)
+        if seq.slot not in self.prefix.retained:  # nothing kept: its blocks go back to the pool
+            self.cache.release(seq.slot)
 
     def end_failed(self, state: RequestState, scrub: bool = False) -> None:
         """A request failed (faults.py): its live sequences leave now, and their slots keep
@@ -439,10 +458,11 @@ class Scheduler:
         for seq in freed:
             seq.finish_reason = "error"
             self.releases += 1
+            blocks = self.cache.release(seq.slot)  # those no other row holds
+            if scrub:  # zeroed by the runner before the next plan's forwards (StepPlan.scrub)
+                self._scrub += blocks
             self.cache.free(seq.slot)
             self.prefix.drop(seq.slot)
-        if scrub and freed:  # zeroed by the runner before the next plan's forwards (StepPlan.scrub)
-            self._scrub += [seq.slot for seq in freed]
 
     def adapter_in_use(self, adapter: int) -> bool:
         """Whether a running or waiting request uses the adapter."""
@@ -496,12 +516,43 @@ class Scheduler:
         self.waiting_count -= len(dropped)
         return dropped
 
+    def _grow(self, decode: list[RequestState], chunks: list[PrefillChunk]) -> tuple[list, list]:
+        """Blocks for every decoding row's next position; while the pool has none, the youngest
+        running request that can be recomputed goes back to the front of the queue (preemption
+        by recompute, vLLM's default), and leaves this step's decode and chunks."""
+        while True:
+            try:
+                self.room.grow(decode)
+                return decode, chunks
+            except OutOfBlocks:
+                victim = next((state for state in reversed(self.running) if recomputable(state)), None)
+                if victim is None:
+                    raise
+                self._preempt(victim)
+                decode = [state for state in decode if state is not victim]
+                chunks = [chunk for chunk in chunks if chunk.state is not victim]
+
+    def _preempt(self, state: RequestState) -> None:
+        """Free a running request's row and blocks and queue it first: readmitted, it prefills
+        its prompt and the tokens it generated (all but the last, which its next decode feeds),
+        samples nothing there, and decodes on."""
+        [seq] = state.sequences
+        self.cache.free(seq.slot)
+        self.leave([state])
+        if len(seq.token_ids) > len(state.request.prompt_ids):
+            state.resumed = True
+            state.prompt_length = len(seq.token_ids) - 1
+        state.prefilled = state.reused = seq.cached = 0
+        self.preemptions += 1
+        with self._lock:
+            self._waiting.appendleft([state])
+            self.waiting_count += 1
+
     def _pack(self) -> list[tuple[int, int, int, bool]]:
         """Move sequences from the highest slots into holes below, so the batch stays one span.
 
-        Each move copies one sequence's cache once; a batch with holes would instead gather
-        (copy) every row's keys and values in every layer of every step. A hole that holds a
-        retained prefix swaps it into the slot the sequence left, so packing evicts nothing.
+        A move is a block-table move (KVCache.move_row): no key or value is copied. A hole that
+        holds a retained prefix swaps it into the slot the sequence left, so packing evicts nothing.
         """
         if self.cache.packed:  # the slots in use are the live sequences': none above a hole
             return []
@@ -509,10 +560,10 @@ class Scheduler:
         live = sorted((seq for state in self.running for seq in state.live), key=BY_SLOT)
         while live and live[-1].slot >= len(live):
             seq = live.pop()
-            target = self.cache.allocate(1)[0]  # the lowest free slot, below seq.slot
-            self.cache.free(seq.slot)
-            retained = self.prefix.length(target)
-            moves.append((seq.slot, target, max(seq.written, retained), retained > 0))
+            target = self.cache.allocate(1, tokens=0)[0]  # the lowest free slot, below seq.slot
+            self.cache.move_row(seq.slot, target)
+            self.cache.free(seq.slot, keep_blocks=True)  # what target retained, if anything
+            moves.append((seq.slot, target, 0, False))  # for the input batch: the tables moved here
             self.prefix.move(target, seq.slot)
             seq.slot = target
             live.insert(0, seq)

@@ -239,9 +239,18 @@ class StepStats:
     decode_output_tokens: int = 0  # tokens the decoding sequences produced (> decode_tokens when drafts stood)
     draft_tokens: int = 0  # drafted tokens verified this step
     accepted_tokens: int = 0  # of which the model's own choice agreed
+    # The KV cache's block pool (model/kv_cache.py): blocks running rows hold, of all.
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
+    prefix_hits: int = 0  # requests admitted this step reusing a cached prefix
+    prefix_evictions: int = 0  # cached prefixes given up this step to make room
+    preemptions: int = 0  # running requests sent back to the queue this step for want of blocks
 
     @property
     def kv_usage_ratio(self) -> float:
+        """Of the block pool when the step says (the tokens' memory), else of the rows."""
+        if self.kv_blocks_total:
+            return self.kv_blocks_used / self.kv_blocks_total
         return self.kv_slots_used / self.kv_slots_total
 
 

@@ -30,6 +30,7 @@ def test_static_decode_equals_dynamic_decode_over_stale_cache_entries(tiny_model
     keys = torch.randn(caches[0].keys.shape, generator=stale).to(tiny_model.device)
     values = torch.randn(caches[0].values.shape, generator=stale).to(tiny_model.device)
     for cache in caches:  # the same leftovers everywhere, as slots reused by earlier requests hold
+        cache.allocate(cache.max_slots)  # each row with its blocks, as the engine's running rows
         cache.keys.copy_(keys)
         cache.values.copy_(values)
     ids = random_prompt(len(positions), seed=1)

@@ -74,6 +74,7 @@ def batch_case(model, layout: str, seed: int):
     sequences = random_ids(model.config, batch=len(slots), length=TOTAL_LENGTH, seed=seed)  # [B, T]
     expected = [full_logits(model, seq) for seq in sequences]
     cache = KVCache(model.config, max_slots=4, max_len=MAX_LEN)
+    cache.allocate(cache.max_slots)  # every row with blocks for MAX_LEN positions
     rows = cache.batch(slots)
     assert (rows.span is not None) == (layout == "view")  # the path this case is meant to run
     return slots, sequences, expected, cache, rows

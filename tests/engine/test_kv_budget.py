@@ -1,0 +1,125 @@
+"""The KV cache's memory budget through the engine: max_slots bounds the sequences running, the
+budget (blocks) their tokens. More short streams than full-length slots decode together; a prompt
+waits for blocks; kept prefixes give their blocks back; every token as with the default cache."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import TINY
+from tests.engine.conftest import make_request, random_prompt, run_until_idle
+
+FULL_ROW_BLOCKS = TINY.n_positions // 16  # blocks of one full-length sequence
+
+
+def streams(count: int, prompt: int, new: int, seed: int = 0) -> list:
+    return [make_request(random_prompt(prompt, seed=seed + i), request_id=f"s{i}", max_new_tokens=new)
+            for i in range(count)]
+
+
+def tokens(results) -> dict[str, list[list[int]]]:
+    return {r.request_id: [s.token_ids for s in r.sequences] for r in results}
+
+
+def run_recording(engine, requests) -> tuple[dict, list]:
+    """Submit, step to the end; the results and each step's stats."""
+    engine.submit(requests)
+    results, stats = [], []
+    while engine.has_work():
+        output = engine.step()
+        results += output.finished
+        stats.append(output.stats)
+    return tokens(results), stats
+
+
+def test_more_short_streams_than_full_length_slots_decode_together(make_engine):
+    # Two full-length sequences' bytes, eight rows: eight streams of 16 + 16 tokens fit at once.
+    engine = make_engine(max_slots=8, kv_cache_sequences=2)
+    assert engine.cache.num_blocks == 2 * FULL_ROW_BLOCKS
+    ours, stats = run_recording(engine, streams(8, 16, 16))
+    assert max(s.decode_tokens for s in stats) == 8
+    assert ours == tokens(make_engine(max_slots=8).generate(streams(8, 16, 16)))
+
+
+def test_a_prompt_waits_for_blocks_and_runs_when_they_free(make_engine):
+    # Three full-length sequences' blocks (24); each request holds 7 (100 prompt + 10 new tokens).
+    engine = make_engine(max_slots=8, kv_cache_sequences=3, prefix_caching=False)
+    ours, stats = run_recording(engine, streams(5, 100, 10, seed=10))
+    assert max(s.running for s in stats) == 3  # rows were free; blocks were not
+    assert any(s.waiting for s in stats) and len(ours) == 5
+    assert ours == tokens(make_engine(max_slots=8, prefix_caching=False).generate(streams(5, 100, 10, seed=10)))
+
+
+def test_kept_prefixes_give_their_blocks_back_least_recently_used_first(make_engine):
+    engine = make_engine(max_slots=8, kv_cache_sequences=2)
+    prompts = [random_prompt(60, seed=70 + i) for i in range(3)]
+    for i, prompt in enumerate(prompts):  # each kept: 4 blocks; the pool holds 16
+        engine.submit([make_request(prompt, request_id=f"k{i}", max_new_tokens=2)])
+        run_until_idle(engine)
+    kept = engine.scheduler.prefix.retained
+    assert len(kept) == 3 and engine.cache.blocks_free == 16 - 3 * 4
+    # A prompt of 100 tokens needs 7 blocks: the least recently used prefix (k0) gives its 4 back.
+    ours, _ = run_recording(engine, [make_request(random_prompt(100, seed=99), request_id="big", max_new_tokens=4)])
+    remaining = sorted(kept_row.tokens[0] for kept_row in engine.scheduler.prefix.retained.values())
+    assert prompts[0][0] not in remaining and {prompts[1][0], prompts[2][0]} <= set(remaining)
+    cold = make_engine(max_slots=8, prefix_caching=False).generate(
+        [make_request(random_prompt(100, seed=99), request_id="big", max_new_tokens=4)])
+    assert ours == tokens(cold)
+
+
+def test_a_request_larger_than_the_whole_cache_is_refused(make_engine):
+    engine = make_engine(max_slots=8, kv_cache_sequences=1)
+    with pytest.raises(ValueError, match="KV-cache blocks"):
+        engine.submit([make_request(random_prompt(10, seed=1), max_new_tokens=100, do_sample=True,
+                                    num_return_sequences=2)])
+
+
+def test_samples_of_one_prompt_share_its_blocks_and_draw_as_requests_alone(make_engine):
+    """n samples fork the prompt's blocks (prefilled once); sample i draws what a request alone
+    with its seed draws, over the same keys."""
+    from service.engine.scheduler import SEED_MODULUS, SEED_STRIDE
+
+    prompt = random_prompt(70, seed=5)  # 5 blocks, the last one partly filled
+    params = dict(do_sample=True, temperature=0.9, max_new_tokens=12)
+    engine = make_engine(max_slots=8)
+    peak, prefilled, results = 0, 0, []
+    engine.submit([make_request(prompt, request_id="n4", seed=3, num_return_sequences=4, **params)])
+    while engine.has_work():
+        output = engine.step()
+        prefilled += output.stats.prefill_tokens
+        results += output.finished
+        cache = engine.cache
+        peak = max(peak, len({b for row in range(cache.max_slots) if cache.in_use[row] for b in cache.blocks_of(row)}))
+    assert prefilled == 70 and peak <= 5 + 4  # the prompt once, a block of its own for each sample
+    alone = make_engine(max_slots=8).generate([
+        make_request(prompt, request_id=f"alone-{i}", seed=(3 + i * SEED_STRIDE) % SEED_MODULUS, **params)
+        for i in range(4)])
+    assert [s.token_ids for s in results[0].sequences] == [r.sequences[0].token_ids for r in alone]
+
+
+def test_a_prompt_extending_a_running_sequence_shares_its_full_blocks(make_engine):
+    """No copy of a running sequence's prefix: the full blocks are shared, the partial one is
+    copied by whoever writes into it first (the new prompt's rest, the stream's next token)."""
+    context = random_prompt(40, seed=41)  # blocks 0 and 1 full, block 2 partly
+    engine = make_engine(max_slots=8)
+    engine.submit([make_request(context, request_id="stream", max_new_tokens=20)])
+    for _ in range(3):
+        engine.step()
+    engine.submit([make_request(context + [5, 6], request_id="extends", max_new_tokens=6)])
+    assert engine.step().stats.cached_prompt_tokens == 40
+    stream, extends = engine.scheduler.running
+    ours, theirs = (engine.cache.blocks_of(s.sequences[0].slot) for s in (stream, extends))
+    assert ours[:2] == theirs[:2] and ours[2] != theirs[2]
+    results = {f.request_id: f.sequences[0].token_ids for f in run_until_idle(engine)}
+    cold = make_engine(max_slots=8, prefix_caching=False).generate(
+        [make_request(context, request_id="stream", max_new_tokens=20),
+         make_request(context + [5, 6], request_id="extends", max_new_tokens=6)])
+    assert results == {f.request_id: f.sequences[0].token_ids for f in cold}
+
+
+def test_the_budget_in_bytes_sets_the_pool(make_engine):
+    per_block = 16 * 2 * TINY.n_layer * TINY.n_embd * 4  # float32 keys and values of 16 positions
+    assert make_engine(kv_cache_bytes=10 * per_block + per_block // 2).cache.num_blocks == 10
+    assert make_engine(max_slots=3).cache.num_blocks == 3 * FULL_ROW_BLOCKS  # default: max_slots full rows
+    with pytest.raises(ValueError, match="holds no block"):
+        make_engine(kv_cache_bytes=per_block - 1)

@@ -1,0 +1,171 @@
+"""The KV cache as a block pool (model/kv_cache.py): rows take blocks as they grow, and attention
+reads exactly the numbers a cache of fixed full-length slots gives.
+
+A cache whose block is a whole row (block_size = max_len) lays its keys out as the fixed-slot
+cache did, one [n_head, max_len, head_dim] run per slot: it is the reference. Small blocks handed
+out interleaved make every read a gather; handed out in runs, a strided view.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from model.kv_cache import SCRATCH, KVCache, blocks_for
+from tests.model.hf_reference import random_ids
+from weights.checkpoint import load_model
+
+MAX_LEN = 48
+PROMPTS = [5, 19, 11]
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir):
+    return load_model(tiny_model_dir)
+
+
+def fixed_slots(config) -> KVCache:
+    cache = KVCache(config, max_slots=4, max_len=MAX_LEN, block_size=MAX_LEN)
+    cache.allocate(4)
+    return cache
+
+
+def interleaved_blocks(config) -> KVCache:
+    """Rows 2, 0, 3, 1 grow a block at a time in turn: no row's blocks are consecutive."""
+    cache = KVCache(config, max_slots=5, max_len=MAX_LEN, num_blocks=48, block_size=4)  # no homes: 5 rows
+    cache.allocate(4, tokens=0)
+    for tokens in range(4, MAX_LEN + 1, 4):
+        for row in (2, 0, 3, 1):
+            assert cache.ensure(row, tokens)
+    return cache
+
+
+def runs_of_blocks(config) -> KVCache:
+    cache = KVCache(config, max_slots=4, max_len=MAX_LEN, num_blocks=48, block_size=4)
+    for _ in range(4):
+        cache.allocate(1, tokens=MAX_LEN)
+    return cache
+
+
+def rows_growing_at_home(config) -> KVCache:
+    """The same growth in a pool holding every row at full length: each row takes its home
+    blocks (a fixed slot's), so the rows read as one view."""
+    cache = KVCache(config, max_slots=4, max_len=MAX_LEN, block_size=4)
+    cache.allocate(4, tokens=0)
+    for tokens in range(4, MAX_LEN + 1, 4):
+        for row in (2, 0, 3, 1):
+            assert cache.ensure(row, tokens)
+    return cache
+
+
+def tables_copied_as_on_cuda(config) -> KVCache:
+    """Interleaved blocks, the tables read from a device copy refreshed when they change (as on
+    CUDA, where the host's tables are not the device's) and never as a view."""
+    cache = KVCache(config, max_slots=5, max_len=MAX_LEN, num_blocks=48, block_size=4)  # no homes: 5 rows
+    cache._shared_tables = False
+    cache.device_tables = torch.from_numpy(cache.tables.copy())
+    cache.allocate(4, tokens=0)
+    for tokens in range(4, MAX_LEN + 1, 4):
+        for row in (2, 0, 3, 1):
+            assert cache.ensure(row, tokens)
+    assert cache._tables_stale
+    return cache
+
+
+@torch.no_grad()
+def decode_logits(model, cache: KVCache, slots: list[int]) -> list[torch.Tensor]:
+    """Prefill each row alone (packed), then decode the rows together to MAX_LEN - 8 positions."""
+    sequences = random_ids(model.config, batch=len(slots), length=MAX_LEN, seed=3)
+    out = []
+    for b, (slot, n) in enumerate(zip(slots, PROMPTS)):
+        out.append(model(sequences[b:b + 1, :n], positions=torch.arange(n)[None], cache=cache,
+                         rows=cache.batch([slot])).logits[0])
+    rows = cache.batch(slots)
+    positions = list(PROMPTS)
+    while max(positions) < MAX_LEN - 8:
+        ids = torch.stack([seq[p] for seq, p in zip(sequences, positions)])[:, None]
+        out.append(model(ids, positions=torch.tensor(positions)[:, None], cache=cache, rows=rows).logits[:, -1])
+        positions = [p + 1 for p in positions]
+    return out
+
+
+@pytest.mark.parametrize("slots", [[2, 0, 3], [0], [1, 2, 3]], ids=["scattered rows", "one row", "a span"])
+def test_blocks_give_the_fixed_slot_cache_logits_bit_for_bit(model, slots):
+    reference = decode_logits(model, fixed_slots(model.config), slots)
+    for layout in (interleaved_blocks, runs_of_blocks, rows_growing_at_home, tables_copied_as_on_cuda):
+        cache = layout(model.config)
+        for ours, theirs in zip(decode_logits(model, cache, slots), reference, strict=True):
+            assert torch.equal(ours, theirs), layout.__name__
+
+
+def test_reads_are_views_only_where_the_blocks_lie_like_slots(model):
+    interleaved, runs = interleaved_blocks(model.config), runs_of_blocks(model.config)
+    assert interleaved._view(slice(0, 1), blocks_for(MAX_LEN, 4)) is None  # row 0 is not one run
+    assert runs._view(slice(1, 4), blocks_for(MAX_LEN, 4)) == (1 + 12, 12)  # rows 1..3: every 12th block
+    assert rows_growing_at_home(model.config)._view(slice(0, 4), blocks_for(MAX_LEN, 4)) == (1, 12)
+    keys, _ = runs.read(0, runs.batch([1, 2, 3]), 20)
+    assert keys._base is not None and keys.data_ptr() == runs.keys[0, :, 13 * 4].data_ptr()
+
+
+def test_rows_take_blocks_as_they_grow_and_give_them_back(model):
+    cache = KVCache(model.config, max_slots=3, max_len=MAX_LEN, num_blocks=5, block_size=4)
+    [row] = cache.allocate(1, tokens=0)
+    assert cache.blocks_free == 5 and cache.blocks_of(row) == []
+    assert cache.ensure(row, 1) and cache.blocks_of(row) == [1]
+    assert cache.ensure(row, 4) and cache.blocks_of(row) == [1]  # still inside its first block
+    assert cache.ensure(row, 9) and cache.blocks_of(row) == [1, 2, 3]  # the next ones, in a run
+    [other] = cache.allocate(1, tokens=8)
+    assert cache.blocks_of(other) == [4, 5] and cache.blocks_free == 0
+    assert not cache.ensure(row, 13) and cache.blocks_of(row) == [1, 2, 3]  # nothing taken
+    assert cache.tables[row, 3] == SCRATCH  # beyond its blocks, a row points at the scratch block
+    cache.free(row)
+    assert cache.blocks_free == 3 and cache.blocks_of(row) == []
+    assert cache.ensure(other, 12) and cache.blocks_of(other) == [4, 5, 1]
+    with pytest.raises(RuntimeError, match="free blocks"):
+        cache.allocate(1, tokens=MAX_LEN)
+
+
+def test_free_rows_may_keep_their_blocks_and_moves_carry_them(model):
+    cache = KVCache(model.config, max_slots=3, max_len=MAX_LEN, num_blocks=6, block_size=4)
+    a, b = cache.allocate(2, tokens=8)
+    cache.free(a, keep_blocks=True)
+    assert cache.blocks_of(a) == [1, 2] and cache.blocks_free == 2
+    cache.move_row(b, a)
+    assert cache.blocks_of(a) == [3, 4] and cache.blocks_of(b) == [1, 2]
+    cache.release(b)
+    assert cache.blocks_free == 4
+
+
+@torch.no_grad()
+def test_copies_and_scrubs_touch_only_the_rows_blocks(model):
+    cache = KVCache(model.config, max_slots=3, max_len=MAX_LEN, num_blocks=12, block_size=4)
+    a, b, c = cache.allocate(3, tokens=12)
+    cache.kv.normal_()
+    b_before = cache.read(1, cache.batch([b]), 12)[0].clone()
+    cache.copy_slots([a], [b], 6)  # whole blocks: positions 0..7
+    keys, values = cache.read(1, cache.batch([a, b, c]), 12)
+    assert torch.equal(keys[1, :, :8], keys[0, :, :8]) and torch.equal(values[1, :, :8], values[0, :, :8])
+    assert torch.equal(keys[1, :, 8:], b_before[0, :, 8:])  # its third block is its own still
+    untouched = cache.read(1, cache.batch([c]), 12)[0].clone()
+    cache.scrub(cache.blocks_of(a))
+    assert not cache.read(1, cache.batch([a]), 12)[0].any()
+    assert torch.equal(cache.read(1, cache.batch([c]), 12)[0], untouched)
+
+
+@torch.no_grad()
+def test_forked_rows_share_blocks_until_one_writes_then_it_copies(model):
+    cache = KVCache(model.config, max_slots=3, max_len=MAX_LEN, num_blocks=8, block_size=4)
+    a, b = cache.allocate(2, tokens=0)
+    assert cache.ensure(a, 10)  # three blocks, the last one partly written
+    cache.kv.normal_()
+    cache.fork(a, b, 10)
+    assert cache.blocks_of(b) == cache.blocks_of(a) and cache.blocks_free == 5
+    before = cache.read(1, cache.batch([a]), 12)[0].clone()
+    assert cache.writable(b, 10, 11)  # b writes position 10: its third block becomes its own
+    assert cache.blocks_of(b)[:2] == cache.blocks_of(a)[:2] and cache.blocks_of(b)[2] != cache.blocks_of(a)[2]
+    assert torch.equal(cache.read(1, cache.batch([b]), 12)[0], before)  # a copy of what it shared
+    cache.write_tokens(1, torch.tensor([b]), torch.tensor([10]), torch.zeros(1, 2, 4, model.config.head_dim))
+    assert torch.equal(cache.read(1, cache.batch([a]), 12)[0], before)  # a's block untouched
+    own = cache.blocks_of(a)[2]
+    assert cache.release(a) == [own] and cache.blocks_free == 8 - 3  # the two shared ones are b's now
+    assert cache.release(b) and cache.blocks_free == 8
