@@ -10,8 +10,10 @@ device→host copy:
 - when the step is read (`advance_beam_requests`): each search's bookkeeping on the host from
   those numbers (model/beam.py's `BeamSearch.advance`), which says which beam continues which
   and with what token;
-- in the next plan (`apply_beam_moves`): the beams' cache reordering and their next tokens,
-  before any forward reads them.
+- when it is read, too: a beam continuing another beam on a row of its own shares that beam's
+  KV blocks (copy on write for the last, partial one: model/kv_cache.py);
+- in the next plan (`apply_beam_moves`): who holds each slot and the beams' next tokens, before
+  any forward reads them.
 
 A beam request needs its search's answer before its next step: it is host-paced (it sits out the
 steps launched before its step is read; overlap stays on for the others). The beams' sequences stay
@@ -26,7 +28,6 @@ import numpy as np
 import torch
 
 from model.beam import BeamParams, BeamSearch, beam_candidates, split_candidates
-from model.kv_cache import KVCache
 from model.transfer import to_device
 from service.engine.faults import RowFault, RowFaultError, beam_failed, nonfinite
 from service.engine.input_batch import InputBatch
@@ -53,7 +54,7 @@ class BeamMove:
     """What a search's step asks of the next plan: beam i now holds slots[i] (each beam continues
     its source beam on that beam's own slot where it is the first to continue it, so most steps
     copy nothing), `copies` (source slot, slot) give the others their source's first `length`
-    cached positions, and each feeds tokens[i] next."""
+    cached positions (shared blocks), and each feeds tokens[i] next."""
 
     sequences: list[Sequence]
     slots: list[int]
@@ -159,15 +160,11 @@ def advance_beam_requests(beams: LaunchedBeams) -> BeamOutcome:
     return outcome
 
 
-def apply_beam_moves(cache: KVCache, batch: InputBatch, moves: list[BeamMove]) -> None:
-    """The searches' moves, before anything else of the plan (packing moves and prefix copies
-    read the slots as the searches left them): the copies, who holds each slot, and the token
-    each beam's next decode feeds (from `last_tokens`)."""
-    # One copy for every search: each one's copies stay within its own slots, and a position past
-    # a search's own length is one no row of it reads before writing it.
-    copies = [copy for move in moves for copy in move.copies]
-    if copies:
-        cache.copy_slots([source for source, _ in copies], [slot for _, slot in copies], max(m.length for m in moves))
+def apply_beam_moves(batch: InputBatch, moves: list[BeamMove]) -> None:
+    """The searches' moves, before anything else of the plan (packing moves read the slots as the
+    searches left them): who holds each slot, and the token each beam's next decode feeds (from
+    `last_tokens`). Their cache was reordered when the step was read: a beam continuing another on
+    a row of its own took that beam's blocks (the scheduler's `_advance_beams`)."""
     for move in moves:
         for seq, slot in zip(move.sequences, move.slots):
             batch.hold(slot, seq)

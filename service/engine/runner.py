@@ -67,7 +67,7 @@ class ModelRunner:
         overlap, a sequence whose last token is still in flight is packed but not stepped."""
         with torch.inference_mode():
             if plan.beam_moves:  # as the searches left the slots, before packing or copies read them
-                apply_beam_moves(self.cache, self.batch, plan.beam_moves)
+                apply_beam_moves(self.batch, plan.beam_moves)
             if plan.scrub:  # first: a slot zeroed here may be a move's or an admission's target
                 self.cache.scrub(plan.scrub)
             for src, dst, length, swap in plan.moves:

@@ -405,6 +405,13 @@ class Scheduler:
         """The beam searches' steps from the candidates read with the launched step: the moves
         they ask of the next plan, the searches done, those failed (each alone)."""
         outcome = advance_beam_requests(launched.beams)
+        # A beam continuing another's beam on a row of its own takes that beam's blocks, shared
+        # (copy on write when it writes the last, partial one), not copied: the next plan's rows
+        # read them, and packing moves (made before the runner sees the plan) carry the tables.
+        for move in outcome.moves:
+            for source, slot in move.copies:
+                self.cache.release(slot)
+                self.cache.fork(source, slot, move.length)
         self._beam_moves += outcome.moves
         for state in outcome.done:
             for seq in state.sequences:

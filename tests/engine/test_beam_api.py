@@ -25,8 +25,11 @@ def test_first_step_accepts_one_row_or_every_beam(tiny_model):
 
 def test_beam_generate_frees_its_slots_on_a_shared_cache(tiny_model, monkeypatch):
     cache = KVCache(tiny_model.config, max_slots=6, max_len=32, device=tiny_model.device)
-    other = cache.allocate(1)  # another sequence's slot: beam_generate must leave it alone
-    cache.keys[:, other] = 7.0
+    [other] = cache.allocate(1)  # another sequence's row: beam_generate must leave it alone
+    assert cache.ensure(other, 32)
+    size = cache.block_size
+    others = torch.cat([torch.arange(block * size, (block + 1) * size) for block in cache.blocks_of(other)])
+    cache.kv[:, :, :, others] = 7.0  # its blocks' positions, keys and values
     params = BeamParams(num_beams=5, eos_token_id=50256, max_new_tokens=6)
     beam_generate(tiny_model, [464, 2068], params, cache=cache)
     assert cache.slots_used == 1
@@ -42,7 +45,7 @@ def test_beam_generate_frees_its_slots_on_a_shared_cache(tiny_model, monkeypatch
     with pytest.raises(RuntimeError, match="device lost"):
         beam_generate(tiny_model, [464, 2068], params, cache=cache)
     assert cache.slots_used == 1 and cache.slots_free == 5
-    assert bool((cache.keys[:, other] == 7.0).all())  # never written by the beams
+    assert bool((cache.kv[:, :, :, others] == 7.0).all())  # never written by the beams
     cache.free(other)  # still allocated: raises if beam_generate had freed it
 
 
