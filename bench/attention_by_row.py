@@ -57,7 +57,7 @@ def attention_runs(query_counts: list[int], key_counts: list[int]) -> dict[str, 
 
 def decode_step_run(model: GPT2, key_counts: list[int]) -> object:
     cache = KVCache(model.config, max_slots=len(key_counts), max_len=max(key_counts))
-    slots = list(range(len(key_counts)))
+    slots = cache.allocate(len(key_counts))  # rows with their blocks
     ids = torch.zeros(len(key_counts), 1, dtype=torch.long)
     positions = torch.tensor(key_counts)[:, None] - 1
 

@@ -38,7 +38,7 @@ class GreedyStep:
         config = model.config
         self.model, self.start = model, start
         self.cache = KVCache(config, batch, config.n_positions, model.device, model.dtype)
-        self.rows = self.cache.batch(list(range(batch)))
+        self.rows = self.cache.batch(self.cache.allocate(batch))  # rows with their blocks
         buckets = ladder(config.n_positions, min(SMALLEST_LENGTH_BUCKET, config.n_positions))
         self.kv_length = next_size(buckets, start + steps)
         generator = torch.Generator().manual_seed(batch)

@@ -146,7 +146,7 @@ def decode_steps(model_dir, rows: int, adapters: int, rank: int, context: int, r
         for i in range(adapters):
             sets[label].add(f"a{i}", random_adapter(model.config, rank, modules, generator))
     cache = KVCache(model.config, max_slots=rows, max_len=context + 1)
-    slots = list(range(rows))
+    slots = cache.allocate(rows)  # rows with their blocks
     tokens = torch.randint(0, model.config.vocab_size, (rows, 1), generator=generator)
     positions = torch.full((rows, 1), context)
     spread = [row % adapters for row in range(rows)]

@@ -27,6 +27,7 @@ def test_packed_rows_of_different_lengths_continue_their_slots(model):
     sequences = [random_ids(model.config, batch=1, length=n, seed=n)[0].tolist() for n in (14, 3, 20)]
     splits = [5, 2, 11]  # the first call feeds each row's head, the second its tail
     cache = KVCache(model.config, max_slots=4, max_len=MAX_LEN)
+    cache.allocate(cache.max_slots)  # every row with its blocks, as the engine's running rows
     slots = [3, 0, 2]
     heads = forward_from(model, cache, slots, [0, 0, 0], [q[:s] for q, s in zip(sequences, splits)], every_position=True)
     tails = forward_from(model, cache, slots, splits, [q[s:] for q, s in zip(sequences, splits)], every_position=True)

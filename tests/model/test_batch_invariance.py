@@ -39,6 +39,7 @@ def run_batch(model, prompts: list[list[int]], slots: list[int]) -> list[list[to
     """Per row: its prefill logits [n, V], then one [V] per decode step (greedy, as the engine
     decodes: one packed prefill forward, then [B, 1] forwards over the cache)."""
     cache = KVCache(model.config, max_slots=max(slots) + 1, max_len=64)
+    cache.allocate(cache.max_slots)  # every row with its blocks, as the engine's running rows
     prefill = forward_from(model, cache, slots, [0] * len(prompts), prompts, every_position=True).logits  # [N, V]
     per_row = [[logits] for logits in prefill.split([len(p) for p in prompts])]
     tokens = [row[0][-1].argmax().item() for row in per_row]

@@ -68,6 +68,7 @@ def test_packed_prefill_and_cached_decode_match_transformers(case, device, mode)
     sequences = random_ids(config, batch=len(lengths), length=total, seed=2).to(device)  # [B, 16]
     expected = reference(sequences).logits  # [B, 16, V]
     cache = KVCache(config, max_slots=4, max_len=total + 2, device=device)
+    cache.allocate(cache.max_slots)  # every row with its blocks, as the engine's running rows
     slots = [3, 0, 2]
     flat = [(b * max(lengths) + j, slots[b], j) for b, n in enumerate(lengths) for j in range(n)]
     index, token_slots, positions = torch.tensor(flat, device=device).t()

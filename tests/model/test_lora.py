@@ -211,6 +211,7 @@ def run_batch(model, adapters, prompts, adapter_of_row, use_lora=True):
     """Per row: its prefill logits [n, V] (one packed forward), then [V] per [B, 1] decode step."""
     lora = adapters.rows(adapter_of_row) if use_lora else None
     cache = KVCache(model.config, max_slots=len(prompts), max_len=64)
+    cache.allocate(cache.max_slots)  # every row with its blocks, as the engine's running rows
     slots = list(range(len(prompts)))[::-1]
     lengths = [len(p) for p in prompts]
     flat = [(b * max(lengths) + j, slots[b], j) for b, n in enumerate(lengths) for j in range(n)]
