@@ -245,7 +245,8 @@ def shrink(models: Models, case: dict) -> dict:
                 case, changed = smaller, True
         for who in ["target"] + list(range(len(case["neighbours"]))):
             spec = case["target"] if who == "target" else case["neighbours"][who]
-            for key in [k for k in spec["params"] if k != "max_new_tokens"]:
+            # An unseeded sampled request draws another seed in every engine: never reset "seed".
+            for key in [k for k in spec["params"] if k not in ("max_new_tokens", "seed")]:
                 simpler_spec = dict(spec, params={k: v for k, v in spec["params"].items() if k != key})
                 if who == "target":
                     simpler = dict(case, target=simpler_spec)

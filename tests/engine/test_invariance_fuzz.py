@@ -225,3 +225,25 @@ def test_the_issue_46_seeded_targets_give_their_solo_tokens_beside_neighbours_wi
               if (beside.sequences[0].token_ids, beside.sequences[0].logprobs)
               != (alone.sequences[0].token_ids, alone.sequences[0].logprobs)]
     assert not differ, f"{len(runs) - len(differ)} of {len(runs)} runs equal their solo run; (target, repetition) apart: {differ}"
+
+
+@cpu_only
+def test_a_prompt_token_scored_alone_gets_the_bits_it_gets_among_others():
+    """A prompt cut into other chunks scores a position alone (a chunk of one) or among others;
+    logsumexp summed a lone row across threads (the fuzzer found it, 2 threads)."""
+    from model.scoring import score_tokens
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for seed in range(30):  # logsumexp rounded 4 of these 90 rows otherwise alone
+            generator = torch.Generator().manual_seed(seed)
+            logits = torch.randn(12, V, generator=generator) * (0.1, 1.0, 8.0)[seed % 3]
+            tokens = torch.randint(0, V, (12,), generator=generator)
+            together = score_tokens(logits, tokens, 3)
+            for row in (0, 5, 11):
+                alone = score_tokens(logits[row : row + 1], tokens[row : row + 1], 3)
+                assert torch.equal(alone.logprobs[0], together.logprobs[row]), (seed, row)
+                assert torch.equal(alone.top_logprobs[0], together.top_logprobs[row]), (seed, row)
+    finally:
+        torch.set_num_threads(before)
