@@ -5,7 +5,8 @@ batched masked call, for GPT-2 124M's 12 layers x 12 heads x 64, side by side in
 
 Decode: B rows of one query each over their own cached lengths (spread over 64..512), vs one
 call over the longest length with a mask (what the engine ran before). Prefill: packed rows of
-different lengths, each over its own keys, vs one call over the [B, longest] layout. For scale,
+different lengths, each over its own keys in query blocks at fixed positions (`attend_in_blocks`),
+vs one call over the [B, longest] layout. For scale,
 the last column is a whole decode step of the 124M model (random weights, float32) at that B.
 Times are CPU seconds (time.process_time), best of --reps, interleaved (bench.common.interleaved).
 """
@@ -18,8 +19,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from bench.common import add_smoke_argument, interleaved
-from model.config import GPT2Config
+from bench.common import add_smoke_argument, interleaved, random_bench_model
 from model.gpt2 import GPT2, AttentionInputs, attend_by_row
 from model.kv_cache import KVCache
 
@@ -41,7 +41,8 @@ def attention_runs(query_counts: list[int], key_counts: list[int]) -> dict[str, 
     for b, (n, length) in enumerate(zip(query_counts, key_counts)):
         positions[b, :n] = torch.arange(length - n, length)
     mask = causal_mask(positions, L)
-    ctx = AttentionInputs(positions, mask, L, None, None, False, row_spans=list(zip(query_counts, key_counts)))
+    ctx = AttentionInputs(positions, mask, L, None, None, False, row_spans=list(zip(query_counts, key_counts)),
+                          query_blocks=max(query_counts) > 1)
     rows = [queries[b : b + 1, :, :n] for b, n in enumerate(query_counts)]
 
     def batched() -> None:
@@ -77,12 +78,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.smoke:
         args.reps, args.batches = 1, [1, 2]
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
-    # --smoke: a 2-layer 64-wide model for the whole step, not 124M's 500 MB of random weights.
-    model = GPT2(GPT2Config(n_layer=2, n_embd=64, n_head=2) if args.smoke else GPT2Config()).eval()
-    model.prepare()
+    model = random_bench_model(args)
     print(f"{torch.get_num_threads()} thread(s); ms of CPU time for {LAYERS} layers' attention, best of {args.reps}")
     cases = []
     for B in args.batches:

@@ -102,6 +102,17 @@ def describe_machine() -> str:
     )
 
 
+def random_bench_model(args: argparse.Namespace) -> GPT2:
+    """A kernel benchmark's model after its --threads and --smoke: GPT-2 124M with random weights,
+    prepared; with --smoke a 2-layer 64-wide one, not 124M's 500 MB of random weights."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    model = GPT2(GPT2Config(n_layer=2, n_embd=64, n_head=2) if args.smoke else GPT2Config()).eval()
+    model.prepare()
+    return model
+
+
 def write_random_model(folder: Path, config: GPT2Config) -> Path:
     """A servable folder: random-init weights of `config` and GPT-2's tokenizer."""
     write_model_dir(folder, config, init_state(config, seed=0))

@@ -14,7 +14,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from model.activations import ACTIVATIONS, TANH_GELU
-from model.attention import GPT2_ATTENTION, AttentionMath, float32_scores
+from model.attention import GPT2_ATTENTION, QUERY_BLOCK, AttentionMath, attend_in_blocks, float32_scores
 from model.config import GPT2Config
 from model.kv_cache import KVCache, SlotBatch
 from model.linear import Conv1D, linear, pack, released
@@ -81,8 +81,9 @@ class AttentionInputs:
     packing: Packing | None = None
     # On CPU, per row (queries, keys): attention then runs row by row (`attend_by_row`).
     row_spans: list[tuple[int, int]] | None = None
-    # Each query its own call, as a decode step runs it (speculative verification, `attend_by_row`).
-    one_query_per_call: bool = False
+    # A prefill's queries in blocks at fixed positions (`attend_in_blocks`); otherwise each query its
+    # own call, as a decode step runs it (decode, speculative verification).
+    query_blocks: bool = False
     lora: LoraGroups | None = None  # the rows' adapters (model/lora.py); None: the base for every row
 
 
@@ -93,27 +94,29 @@ def attend_by_row(
     """Row b's queries [1, H, n_b, d_h] over its own first L_b keys only: [1, H, n_b, d_h] each.
 
     PyTorch's CPU attention (flash and math kernels alike) sums in an order set by the call's
-    query count and key count: on an AVX2 CPU a query's output changes in its last bits when
-    the batch pads it to a longer row's width or key length (docs/batch-invariance.md). One call
-    per row, shaped as that row alone would be, makes each row's output bit-identical alone and
-    in any batch, which int8 weights rely on: their per-row rounding turns a last-bit change into
-    a different token.
-
-    ctx.one_query_per_call: each query its own call, the one decoding makes at its position, so
-    a draft's verification gives decoding's bits whatever the draft's length (k + 1 small calls).
+    shape: on an AVX2 CPU a query's output changes in its last bits with the call's query count
+    and key count (docs/batch-invariance.md). So no call's shape depends on the batch, nor on
+    where a prompt's chunk starts or ends:
+    - ctx.query_blocks (a prefill): the row's queries in blocks at fixed positions
+      (`attend_in_blocks`), the same calls however the prompt is cut into chunks or however much
+      of it a cached prefix holds;
+    - otherwise (decode, a draft's verification) each query its own call over exactly the keys it
+      sees (a single query needs no mask), so a verified draft gets decoding's bits whatever its
+      length (k + 1 small calls).
+    int8 weights rely on it: their per-row rounding turns a last-bit change into another token.
     attend: the layer's arithmetic (its scale, float32 scores or not).
     """
     outputs = []
     for b, (q, (n, length)) in enumerate(zip(queries, ctx.row_spans)):
-        own_keys, own_values = keys[b : b + 1, :, :length], values[b : b + 1, :, :length]  # [1, H, L_b, d_h]
-        if n > 1 and ctx.one_query_per_call:
-            seen = range(length - n + 1, length + 1)  # how many keys each query sees
-            outputs.append(torch.cat([attend(q[:, :, j : j + 1], own_keys[:, :, :count], own_values[:, :, :count], None)
-                                      for j, count in enumerate(seen)], dim=2))  # [1, H, n, d_h]
-            continue
-        # One query sees every key up to its own: no mask, as a lone decode row runs.
-        mask = None if n == 1 else ctx.mask[b : b + 1, :, :n, :length]
-        outputs.append(attend(q, own_keys, own_values, mask))
+        own_keys, own_values = keys[b : b + 1], values[b : b + 1]  # [1, H, L, d_h]
+        if ctx.query_blocks:
+            outputs.append(attend_in_blocks(q, own_keys, own_values, length - n, attend))
+        elif n == 1:
+            outputs.append(attend(q, own_keys[:, :, :length], own_values[:, :, :length], None))
+        else:
+            first = length - n + 1  # how many keys the row's first query sees
+            outputs.append(torch.cat([attend(query, own_keys[:, :, : first + j], own_values[:, :, : first + j], None)
+                                      for j, query in enumerate(q.split(1, dim=2))], dim=2))  # [1, H, n, d_h]
     return outputs
 
 
@@ -393,7 +396,9 @@ class GPT2(nn.Module):
         continuing its slot in the cache: no compute on padding outside attention.
 
         Returns what the LM head reads, head_input [N, C] (and hidden_states [1, N, C] each).
-        one_query_per_call: see `attend_by_row` (CPU).
+        one_query_per_call: each query its own attention call, as decoding computes it (speculative
+            verification). Otherwise (a prefill) a token's bits do not depend on the chunk or cached
+            prefix it continues. Either way not on the batch (`attend_by_row`, CPU).
         lora: each packed row's LoRA adapter (`LoraSet.rows`); None runs the base for every row.
         """
         B, T = packing.batch, packing.width
@@ -401,18 +406,22 @@ class GPT2(nn.Module):
         padded = torch.zeros(B * T, dtype=torch.long, device=input_ids.device)
         padded[packing.index] = packing.positions
         padded = padded.view(B, T)  # [B, T]
+        by_row = input_ids.device.type == "cpu"  # each row's calls build their own masks
+        if by_row and not one_query_per_call:
+            # Every query block reads the keys up to its end, or the cache's length (`attend_in_blocks`).
+            kv_length = min(-(-kv_length // QUERY_BLOCK) * QUERY_BLOCK, cache.max_len)
         ctx = AttentionInputs(
             positions=padded,
-            mask=self._attention_mask(padded, kv_length, cached=True),
+            mask=None if by_row else self._attention_mask(padded, kv_length, cached=True),
             kv_length=kv_length,
             cache=cache,
             rows=rows,
             want_probs=False,
             packing=packing,
         )
-        if input_ids.device.type == "cpu":
+        if by_row:
             ctx.row_spans = packed_row_spans(packing)
-            ctx.one_query_per_call = one_query_per_call
+            ctx.query_blocks = not one_query_per_call
         if lora is not None:
             tokens_per_row = [n for n, _ in ctx.row_spans] if ctx.row_spans is not None else (
                 torch.bincount(packing.index // T, minlength=B).tolist())

@@ -1,8 +1,9 @@
 """Log-probabilities of chosen tokens, their ranks and each row's top-N alternatives.
 
 Pure functions over [rows, vocab] logits, shared by the sampler (generated tokens) and the
-prompt scorer (prompt tokens). Everything is derived from the logits and one logsumexp per row,
-so no [rows, vocab] log-softmax is materialised.
+prompt scorer (prompt tokens). Log-probabilities come from log_softmax, a kernel per row:
+logsumexp splits a lone row's sum across threads, so a row scored alone (a prompt's chunk of one
+position) would round otherwise than the same row among others (docs/batch-invariance.md).
 """
 
 from __future__ import annotations
@@ -22,12 +23,12 @@ class Scores:
 
 def score_tokens(logits: torch.Tensor, tokens: torch.Tensor, n: int) -> Scores:
     """logits [B, V] (float32), tokens [B], n >= 0 alternatives per row."""
-    normaliser = logits.logsumexp(dim=-1, keepdim=True)  # [B, 1]
+    log_probs = logits.log_softmax(dim=-1)  # [B, V]
     chosen = logits.gather(1, tokens[:, None])  # [B, 1]
     # Comparing logits orders tokens as comparing their log-probabilities would.
     ranks = (logits > chosen).sum(dim=-1) + 1  # [B]
-    top_values, top_ids = top_n(logits, n)  # [B, n]
-    return Scores((chosen - normaliser).squeeze(1), ranks, top_ids, top_values - normaliser)
+    _, top_ids = top_n(logits, n)  # [B, n]
+    return Scores(log_probs.gather(1, tokens[:, None]).squeeze(1), ranks, top_ids, log_probs.gather(1, top_ids))
 
 
 def top_alternatives(logits: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -80,12 +80,13 @@ def test_profile_decode(tiny_model_dir):
     assert_columns(out, "ms/step wall", "tokens/s", "Self CPU time total", "profiled self CPU per step: products")
 
 
-@pytest.mark.parametrize("module", ["kernels", "kernels_int8", "attention_by_row"])
+@pytest.mark.parametrize("module", ["kernels", "kernels_int8", "attention_by_row", "prefill_exact"])
 def test_kernel_benchmarks_in_smoke_sizes(module):
     columns = {
         "kernels": ("addmm [in,out]", "onednn packed", "read (sum)", "one decode step"),
         "kernels_int8": ("fp32 oneDNN packed", "FBGEMM int8 per-row act (served)", "rel. error", "9 products"),
         "attention_by_row": ("decode B= 1", "decode B= 2", "prefill 20/50", "whole step"),
+        "prefill_exact": ("prefill    10 tokens", "prefill    30 tokens", "blocks", "a row per call", "a query per call"),
     }[module]
     assert_columns(run_bench(module, "--smoke", "--threads", 1), *columns)
 

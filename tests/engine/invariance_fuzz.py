@@ -1,11 +1,13 @@
 """Differential fuzzing of the batch-invariance promise (docs/batch-invariance.md, issue 31).
 
 A case is one target request, the neighbours that share the engine with it (arriving with it,
-before or after it, some cancelled), and the engine's speed features. The target runs alone in a
-fresh engine, then among its neighbours in another fresh engine with the same features: on CPU
-every sequence must come back identical (tokens, text, log-probs and alternatives to the bit,
-prompt scores, beam scores). With speculation on, the lone run must also equal the one without
-speculation. A failure is shrunk (neighbours dropped, parameters reset) and printed as JSON.
+before or after it, some cancelled, some sharing its prompt's prefix, which the prefix cache then
+hands it), and the engine's speed features. The target runs alone in a fresh engine, then among
+its neighbours in another fresh engine with the same features but, in two cases of three,
+another prefill budget (so its prompt is cut into other chunks): on CPU every sequence must come
+back identical (tokens, text, log-probs and alternatives to the bit, prompt scores, beam
+scores). With speculation on, the lone run must also equal the one without speculation. A
+failure is shrunk (neighbours dropped, parameters reset) and printed as JSON.
 
     python -m tests.engine.invariance_fuzz --cases 10000      # make fuzz-invariance
 """
@@ -54,6 +56,9 @@ class Features:
     speculative: bool = False
     prefix_caching: bool = False
     max_prefill_tokens: int = 512
+    # The lone run's prefill budget (None: max_prefill_tokens): another budget cuts the target's
+    # prompt into other chunks than among its neighbours.
+    lone_prefill_tokens: int | None = None
     quantize: str = "none"
     threads: int = 1
     # The core's overlap (launch a step before reading the last one's tokens) among neighbours;
@@ -122,7 +127,7 @@ def random_case(rng: random.Random, features: list[Features], vocab: int = FUZZ_
     neighbours = []
     for _ in range(pick(rng, 0, 1, 2, 3, 5, 8, 23)):
         prompt = random_prompt(rng, vocab)
-        if not feature.prefix_caching and rng.random() < 0.2:  # reusing a prefix is a documented limit
+        if rng.random() < 0.3:  # the target's prompt's prefix: with prefix caching, one may hand it its keys
             prompt = target["prompt"][: rng.randint(1, len(target["prompt"]))] + prompt
         neighbours.append({"prompt": prompt[:100], "params": random_params(rng, vocab),
                            "arrives": pick(rng, 0, 0, 0, 1, 3), "cancel_at": pick(rng, None, None, None, None, 2, 5)})
@@ -204,9 +209,11 @@ def outcome(result) -> dict:
 def failure(models: Models, case: dict) -> str | None:
     """Why the case breaks the promise, or None."""
     target = dict(case["target"], id="target", arrives=0)
-    alone = run_engine(models, dict(case["features"], overlap=False), [target])["target"]
+    lone = dict(case["features"], overlap=False)
+    lone["max_prefill_tokens"] = lone.pop("lone_prefill_tokens", None) or lone["max_prefill_tokens"]
+    alone = run_engine(models, lone, [target])["target"]
     if case["features"]["speculative"]:
-        plain = run_engine(models, dict(case["features"], speculative=False, overlap=False), [target])["target"]
+        plain = run_engine(models, dict(lone, speculative=False), [target])["target"]
         if plain != alone:
             return f"speculation changed the lone request: {difference(plain, alone)}"
     entries = [dict(case["target"], id="target")] + [dict(n, id=f"n{i}") for i, n in enumerate(case["neighbours"])]
@@ -238,7 +245,8 @@ def shrink(models: Models, case: dict) -> dict:
                 case, changed = smaller, True
         for who in ["target"] + list(range(len(case["neighbours"]))):
             spec = case["target"] if who == "target" else case["neighbours"][who]
-            for key in [k for k in spec["params"] if k != "max_new_tokens"]:
+            # An unseeded sampled request draws another seed in every engine: never reset "seed".
+            for key in [k for k in spec["params"] if k not in ("max_new_tokens", "seed")]:
                 simpler_spec = dict(spec, params={k: v for k, v in spec["params"].items() if k != key})
                 if who == "target":
                     simpler = dict(case, target=simpler_spec)
@@ -266,15 +274,16 @@ def write_fuzz_model(out_dir: Path) -> Path:
 
 
 def cpu_features() -> list[Features]:
-    """Every speed feature on and off, several prefill chunk sizes, float32 and int8, 1 and 2 threads,
-    overlap on and off."""
+    """Every speed feature on and off, several prefill chunk sizes (the lone run's the same or
+    another), float32 and int8, 1 and 2 threads, overlap on and off."""
     from model.quantized import quantize_problem
 
     quantized = ["none"] + (["int8"] if quantize_problem("int8", "cpu", torch.float32) is None else [])
     return [
-        Features(speculative=s, prefix_caching=c, max_prefill_tokens=chunk, quantize=q, threads=t, overlap=o)
-        for s in (False, True) for c in (False, True) for chunk in (512, 16, 5) for q in quantized for t in (1, 2)
-        for o in (False, True)
+        Features(speculative=s, prefix_caching=c, max_prefill_tokens=chunk, lone_prefill_tokens=lone, quantize=q,
+                 threads=t, overlap=o)
+        for s in (False, True) for c in (False, True) for chunk in (512, 16, 5) for lone in (None, 512, 16, 5)
+        for q in quantized for t in (1, 2) for o in (False, True) if lone != chunk
     ]
 
 

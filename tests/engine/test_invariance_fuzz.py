@@ -147,14 +147,15 @@ ISSUE_TEXT = "shall to the the rides shall the rides in the and and shall shall 
 ISSUE_PARAMS = dict(max_new_tokens=28, do_sample=True, temperature=1.2, seed=3022, typical_p=0.8)
 
 
-def issue_neighbours(tokenizer) -> list:
-    """23 requests as the issue sent them: greedy and sampled, some with stop strings or a penalty."""
+def issue_neighbours(tokenizer, longest: int = 40) -> list:
+    """23 requests as the issue sent them: greedy and sampled, some with stop strings or a penalty,
+    each up to `longest` new tokens."""
     rng = random.Random(3022)
     neighbours = []
     for i in range(23):
         prompt = tokenizer.encode(" ".join(rng.choice(ISSUE_TEXT.split()) for _ in range(rng.randint(3, 30))))
         kind = i % 4
-        params = {"max_new_tokens": rng.randint(5, 40)}
+        params = {"max_new_tokens": rng.randint(5, longest)}
         if kind:
             params.update(do_sample=True, seed=rng.randrange(2**30), temperature=0.9, top_p=0.9)
         if kind == 2:
@@ -180,3 +181,69 @@ def test_the_issues_typical_p_request_gives_its_solo_tokens_among_23_neighbours(
     results = {r.request_id: r for r in Engine(model, tokenizer, config).generate(requests)}
     assert results["it"].sequences[0].token_ids == alone.sequences[0].token_ids
     assert results["it"].sequences[0].logprobs == alone.sequences[0].logprobs
+
+
+# Issue 46: six seeded targets, each alone, then three times beside the 23 neighbours in one engine
+# with the default settings (prefix caching on, a 512-token prefill budget that the batch's prompts
+# overrun): from the second time on the cache holds the target's prompt and the neighbours', so its
+# prompt is prefilled from a cached prefix (down to its last token alone) instead of cold.
+ISSUE_46_TARGETS = [dict(typical_p=0.8, temperature=1.2), dict(typical_p=0.95), dict(min_p=0.05),
+                    dict(min_p=0.3, temperature=1.5), dict(top_k=5), dict(top_k=40, temperature=0.8)]
+
+
+def issue_46_runs(model, tokenizer, new_tokens: int) -> list[tuple[int, int, object, object]]:
+    """(target, repetition, its result beside the neighbours, its solo result) for every run;
+    targets and neighbours write up to `new_tokens` tokens (the issue's first differed at its first)."""
+    from service.inprocess import Engine, EngineConfig
+
+    config = EngineConfig(max_slots=24, max_len=128)
+    words = ISSUE_TEXT.split()
+    targets = [make_request(tokenizer.encode(" ".join(words[i:] + words[:i])), request_id="it", max_new_tokens=new_tokens,
+                            do_sample=True, seed=46 + i, **params) for i, params in enumerate(ISSUE_46_TARGETS)]
+    solo = [Engine(model, tokenizer, config).generate([target])[0] for target in targets]
+    engine = Engine(model, tokenizer, config)
+    runs = []
+    for repetition in range(3):
+        for i, target in enumerate(targets):
+            requests = issue_neighbours(tokenizer, longest=new_tokens)
+            requests.insert(11, target)
+            results = {r.request_id: r for r in engine.generate(requests)}
+            runs.append((i, repetition, results["it"], solo[i]))
+    return runs
+
+
+@cpu_only
+@pytest.mark.slow
+def test_the_issue_46_seeded_targets_give_their_solo_tokens_beside_neighbours_with_prefix_caching(default_model_dir,
+                                                                                                  tokenizer):
+    """On the random 124M model, as the issue ran it: its near-uniform rows put many tokens on
+    typical-p's cut-off, where a last-bit change in the logits moves the draw."""
+    from weights.checkpoint import load_model
+
+    runs = issue_46_runs(load_model(default_model_dir), tokenizer, new_tokens=6)
+    differ = [(i, repetition) for i, repetition, beside, alone in runs
+              if (beside.sequences[0].token_ids, beside.sequences[0].logprobs)
+              != (alone.sequences[0].token_ids, alone.sequences[0].logprobs)]
+    assert not differ, f"{len(runs) - len(differ)} of {len(runs)} runs equal their solo run; (target, repetition) apart: {differ}"
+
+
+@cpu_only
+def test_a_prompt_token_scored_alone_gets_the_bits_it_gets_among_others():
+    """A prompt cut into other chunks scores a position alone (a chunk of one) or among others;
+    logsumexp summed a lone row across threads (the fuzzer found it, 2 threads)."""
+    from model.scoring import score_tokens
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for seed in range(30):  # logsumexp rounded 4 of these 90 rows otherwise alone
+            generator = torch.Generator().manual_seed(seed)
+            logits = torch.randn(12, V, generator=generator) * (0.1, 1.0, 8.0)[seed % 3]
+            tokens = torch.randint(0, V, (12,), generator=generator)
+            together = score_tokens(logits, tokens, 3)
+            for row in (0, 5, 11):
+                alone = score_tokens(logits[row : row + 1], tokens[row : row + 1], 3)
+                assert torch.equal(alone.logprobs[0], together.logprobs[row]), (seed, row)
+                assert torch.equal(alone.top_logprobs[0], together.top_logprobs[row]), (seed, row)
+    finally:
+        torch.set_num_threads(before)

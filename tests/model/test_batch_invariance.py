@@ -1,6 +1,8 @@
 """A row's logits do not depend on its batch on CPU: prefilled packed beside rows of other
 lengths, and decoded beside rows that read more keys, each row's logits are bit-identical to
-the same row run alone, for float, int8 and int4 weights alike (docs/batch-invariance.md)."""
+the same row run alone, for float, int8 and int4 weights alike (docs/batch-invariance.md).
+Nor on how its tokens were computed: a prompt prefilled cold, from a cached prefix, in chunks of
+any size or a token at a time as decoding runs gives the same logits and keys and values."""
 
 from __future__ import annotations
 
@@ -68,3 +70,57 @@ def test_each_rows_logits_are_the_same_alone_and_in_any_batch(model):
         for i, row in zip(batch, together):
             for step, (got, expected) in enumerate(zip(row, alone[i])):
                 assert torch.equal(got, expected), (batch, LENGTHS[i], step, float((got - expected).abs().max()))
+
+
+# How a 40-token prompt's positions are split into forwards: the cut points between them. A cached
+# prefix is a first forward that another request ran (the engine reuses its keys and values).
+SPLITS = {
+    "cached prefix of 1": [1],
+    "cached prefix of 32": [32],
+    "all but the last token cached": [39],
+    "budget 5": list(range(5, 40, 5)),
+    "budget 16": [16, 32],
+    "uneven chunks": [3, 4, 17, 30],
+}
+
+
+@torch.inference_mode()
+def run_in_pieces(model, prompt: list[int], cuts: list[int], rest: str = "prefill"):
+    """Every position's logits [n, V] and the keys and values [2, layers, H, n, d_h] of `prompt` fed
+    in prefill forwards ending at `cuts`, then the rest as one more prefill forward, a token per
+    [1, 1] decode forward ("decode") or one draft's verification ("verify"). In slot 1 of 2, beside
+    a slot holding other keys; 50 positions, so the last query block's keys stop short."""
+    cache = KVCache(model.config, max_slots=2, max_len=50)
+    forward_from(model, cache, [0], [0], [list(reversed(prompt))])
+    last_cut = cuts[-1] if cuts else 0
+    ends = [*cuts, *range(last_cut + 1, len(prompt) + 1)] if rest == "decode" else [*cuts, len(prompt)]
+    logits, start = [], 0
+    for end in ends:
+        if rest == "decode" and start >= last_cut:
+            out = model(torch.tensor([prompt[start:end]]), torch.tensor([[start]]), cache, cache.batch([1]),
+                        kv_length=end).logits[0]  # [1, V]
+        else:
+            out = forward_from(model, cache, [1], [start], [prompt[start:end]], every_position=True,
+                               one_query_per_call=rest == "verify" and start >= last_cut).logits  # [n, V]
+        logits.append(out)
+        start = end
+    return torch.cat(logits), cache.kv[:, :, 1, :, : len(prompt)].clone()
+
+
+def assert_same(got: tuple[torch.Tensor, torch.Tensor], expected: tuple[torch.Tensor, torch.Tensor], name: str) -> None:
+    (logits, kv), (expected_logits, expected_kv) = got, expected
+    assert torch.equal(kv, expected_kv), (name, float((kv - expected_kv).abs().max()))
+    assert torch.equal(logits, expected_logits), (name, float((logits - expected_logits).abs().max()))
+
+
+def test_a_prompt_gives_the_same_bits_cold_from_a_cached_prefix_and_in_chunks_of_any_size(model):
+    prompt = random_ids(model.config, batch=1, length=40, seed=7)[0].tolist()
+    cold = run_in_pieces(model, prompt, [])
+    for name, cuts in SPLITS.items():
+        assert_same(run_in_pieces(model, prompt, cuts), cold, name)
+
+
+def test_a_verified_draft_gives_decodings_bits(model):
+    prompt = random_ids(model.config, batch=1, length=40, seed=8)[0].tolist()
+    assert_same(run_in_pieces(model, prompt, [31], rest="verify"), run_in_pieces(model, prompt, [31], rest="decode"),
+                "verified from 31")
