@@ -142,7 +142,11 @@ class InputBatch:
 
     def set_drafted(self, sequences: list[Sequence]) -> None:
         """What a drafted step left (its lengths are known once its tokens are read): each
-        sequence's counter and last token."""
+        sequence's counter and last token. A sequence that left its slot since the step launched
+        (cancelled, ended) is skipped: the slot may hold another sequence now (a packing move)."""
+        sequences = [seq for seq in sequences if self.seq[seq.slot] is seq]
+        if not sequences:
+            return
         for seq in sequences:
             self.table[seq.slot, LENGTH] = len(seq.token_ids) + seq.pending
         device = self.last_tokens.device

@@ -114,6 +114,14 @@ FOUND = [
     {"features": {"speculative": True, "prefix_caching": True, "max_prefill_tokens": 5, "quantize": "int8", "threads": 1},
      "target": {"prompt": [31594, 2714, 31594, 2714, 31594], "params": {"max_new_tokens": 5, "top_logprobs": 2}, "arrives": 0},
      "neighbours": []},
+    # A drafted step read after its neighbour was cancelled wrote that neighbour's last token into
+    # the slot the target had just been packed into (InputBatch.set_drafted): the target then fed
+    # the neighbour's token (overlap on, cases 70 and 531 of seed 4646).
+    {"features": {"speculative": True, "prefix_caching": False, "max_prefill_tokens": 512, "quantize": "none",
+                  "threads": 1, "overlap": True},
+     "target": {"prompt": [27155, 43504], "params": {"max_new_tokens": 8, "repetition_penalty": 1.3}, "arrives": 1},
+     "neighbours": [{"prompt": [27155, 6802, 14022, 47485, 41879, 20179, 17063, 38235, 44848, 46820, 23136, 29504, 33818],
+                     "params": {"max_new_tokens": 12}, "arrives": 0, "cancel_at": 5}]},
 ]
 
 
