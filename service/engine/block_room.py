@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+import numpy as np
+
 from model.kv_cache import KVCache, blocks_for
 from service.engine.prefix_cache import PrefixCache, PrefixMatch
 from service.engine.requests import RequestState
@@ -75,12 +77,22 @@ class BlockRoom:
                 self.writable(slot, 0, state.prompt_length)
 
     def grow(self, decode: Iterable[RequestState]) -> None:
-        """A block for each decoding row whose next position starts one."""
-        for state in decode:
-            for seq in state.live:
-                written = len(seq.token_ids) + seq.pending  # the step writes position written - 1
-                self._ensure(seq.slot, written)
-                self.writable(seq.slot, written - 1, written)
+        """A block for each decoding row whose next position starts one, and a copy of the block
+        it writes where that one is shared. Found with array operations: most steps, most rows
+        need neither, and this runs over every row of every step."""
+        # The step writes position written - 1 of each row.
+        rows = [(seq.slot, len(seq.token_ids) + seq.pending) for state in decode for seq in state.live]
+        if not rows:
+            return
+        cache = self.cache
+        slots, written = np.array(rows, dtype=np.int64).T
+        block = (written - 1) // cache.block_size
+        short = block >= cache.row_blocks[slots]
+        shared = cache.refs[cache.tables[slots, block]] > 1  # a new block's entry is the scratch block: refs 0
+        for i in np.flatnonzero(short | shared).tolist():
+            slot, end = int(slots[i]), int(written[i])
+            self._ensure(slot, end)
+            self.writable(slot, end - 1, end)
 
     def grow_drafts(self, decode: Iterable[RequestState]) -> None:
         """Blocks for the drafted positions a verification writes; a draft with no room is cut."""
