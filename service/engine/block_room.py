@@ -25,14 +25,15 @@ class OutOfBlocks(RuntimeError):
     """Running sequences need more blocks than the pool has, even with every kept prefix given back."""
 
 
-def recomputable(state: RequestState) -> bool:
+def recomputable(state: RequestState, once_read: bool = False) -> bool:
     """Whether a running request can be preempted and recomputed from its tokens alone: one
     sequence, no beam search, no prompt scores, nothing the sampler counted from its generated
-    tokens on the device (penalties' counts, n-gram history), no token in flight."""
+    tokens on the device (penalties' counts, n-gram history), no token in flight (`once_read`:
+    it will be, once the token in flight is read)."""
     p = state.params
     return (state.beam is None and len(state.sequences) == 1 and not p.prompt_logprobs
             and p.repetition_penalty == 1.0 and not uses_counts(p) and not uses_history(p)
-            and state.sequences[0].pending == 0)
+            and (once_read or state.sequences[0].pending == 0))
 
 
 class BlockRoom:

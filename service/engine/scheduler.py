@@ -203,7 +203,9 @@ class Scheduler:
                 out = {id(state) for state in sitting_out}
                 decode = [state for state in decode if id(state) not in out]
                 paced = [state for state in paced if id(state) not in out]
-        decode, chunks = self._grow(decode, chunks)  # a block for each row crossing into a new one
+        decode, chunks, deferred = self._grow(decode, chunks)  # a block for each row crossing into a new one
+        if deferred:  # out of blocks, their tokens in flight: preempted next step if still short
+            sitting_out = sitting_out + deferred
         if paced:  # a drafter preempted by _grow drafts nothing
             stepping = {id(state) for state in decode}
             paced = [state for state in paced if id(state) in stepping]
@@ -523,21 +525,31 @@ class Scheduler:
         self.waiting_count -= len(dropped)
         return dropped
 
-    def _grow(self, decode: list[RequestState], chunks: list[PrefillChunk]) -> tuple[list, list]:
+    def _grow(self, decode: list[RequestState], chunks: list[PrefillChunk]) -> tuple[list, list, list]:
         """Blocks for every decoding row's next position; while the pool has none, the youngest
         running request that can be recomputed goes back to the front of the queue (preemption
-        by recompute, vLLM's default), and leaves this step's decode and chunks."""
+        by recompute, vLLM's default), and leaves this step's decode and chunks. With overlap a
+        decoding request has a token in flight, which a preemption would lose: the youngest that
+        could be recomputed once that token is read sits this step out instead (it needs no
+        block then), and is preempted at the next step if the pool is still short. Returns the
+        decode, the chunks and those sitting out."""
+        deferred: list[RequestState] = []
         while True:
             try:
                 self.room.grow(decode)
-                return decode, chunks
+                return decode, chunks, deferred
             except OutOfBlocks:
                 victim = next((state for state in reversed(self.running) if recomputable(state)), None)
-                if victim is None:
+                if victim is not None:
+                    self._preempt(victim)
+                    decode = [state for state in decode if state is not victim]
+                    chunks = [chunk for chunk in chunks if chunk.state is not victim]
+                    continue
+                waiting = next((state for state in reversed(decode) if recomputable(state, once_read=True)), None)
+                if waiting is None:
                     raise
-                self._preempt(victim)
-                decode = [state for state in decode if state is not victim]
-                chunks = [chunk for chunk in chunks if chunk.state is not victim]
+                deferred.append(waiting)
+                decode = [state for state in decode if state is not waiting]
 
     def _preempt(self, state: RequestState) -> None:
         """Free a running request's row and blocks and queue it first: readmitted, it prefills
