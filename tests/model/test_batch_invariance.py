@@ -86,11 +86,12 @@ SPLITS = {
 
 @torch.inference_mode()
 def run_in_pieces(model, prompt: list[int], cuts: list[int], rest: str = "prefill"):
-    """Every position's logits [n, V] and the keys and values [2, layers, H, n, d_h] of `prompt` fed
+    """Every position's logits [n, V] and the keys and values [layers, 2, H, n, d_h] of `prompt` fed
     in prefill forwards ending at `cuts`, then the rest as one more prefill forward, a token per
     [1, 1] decode forward ("decode") or one draft's verification ("verify"). In slot 1 of 2, beside
     a slot holding other keys; 50 positions, so the last query block's keys stop short."""
     cache = KVCache(model.config, max_slots=2, max_len=50)
+    cache.allocate(cache.max_slots)  # every row with its blocks, as the engine's running rows
     forward_from(model, cache, [0], [0], [list(reversed(prompt))])
     last_cut = cuts[-1] if cuts else 0
     ends = [*cuts, *range(last_cut + 1, len(prompt) + 1)] if rest == "decode" else [*cuts, len(prompt)]
@@ -104,7 +105,9 @@ def run_in_pieces(model, prompt: list[int], cuts: list[int], rest: str = "prefil
                                one_query_per_call=rest == "verify" and start >= last_cut).logits  # [n, V]
         logits.append(out)
         start = end
-    return torch.cat(logits), cache.kv[:, :, 1, :, : len(prompt)].clone()
+    size = cache.block_size  # slot 1's positions in the block pool
+    positions = torch.cat([torch.arange(block * size, (block + 1) * size) for block in cache.blocks_of(1)])
+    return torch.cat(logits), cache.kv[:, :, :, positions[: len(prompt)]].clone()
 
 
 def assert_same(got: tuple[torch.Tensor, torch.Tensor], expected: tuple[torch.Tensor, torch.Tensor], name: str) -> None:
