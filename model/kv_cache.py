@@ -389,7 +389,3 @@ class KVCache:
         by_block = self.kv.view(*self.kv.shape[:3], -1, self.block_size, self.kv.shape[-1])
         # Indexing on the right copies first, so a permutation among the same blocks is safe.
         by_block[:, :, :, dst_ids] = by_block[:, :, :, src_ids]
-
-    def swap_slots(self, a: int, b: int, length: int) -> None:
-        """Exchange two rows' contents (their block tables)."""
-        self.move_row(a, b)

@@ -136,18 +136,15 @@ class StepPlan:
     prefill: list[PrefillChunk]  # prompt chunks run this step; the last one of a prompt samples
     decode: list[RequestState]  # prefilled and running: one token per live sequence
     cancelled: list[RequestState]  # leave now; their slots (if any) are already free
-    # Done before the forwards: (from slot, to slot, length, swap) packing moves (block-table
-    # moves already made by the scheduler: the input batch's rows follow).
-    moves: list[tuple[int, int, int, bool]]
+    # Done before the forwards: (from slot, to slot) packing moves (block-table moves already
+    # made by the scheduler: the input batch's rows follow).
+    moves: list[tuple[int, int]]
     completing: list[RequestState]  # the requests whose prompt's last chunk runs: they sample
     prefill_tokens: int  # prompt tokens this step prefills
     cached_tokens: int = 0  # prompt tokens taken from the prefix cache by this step's admissions
     # Requests admitted by this plan: the runner writes their sequences into its input batch, on
     # their slots after the moves.
     admitted: list[RequestState] = field(default_factory=list)
-    # Slots freed after non-finite values (faults.py), to be zeroed before anything else runs:
-    # a later sequence's masked positions still meet them, and 0 * NaN is NaN.
-    scrub: list[int] = field(default_factory=list)
     drafted: list[Sequence] = field(default_factory=list)  # the decoding sequences verifying a draft (speculation.py)
     running: int = 0  # requests running after admission
     # Of which some need each token on the host before their next step (beams, drafts).

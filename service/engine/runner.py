@@ -3,8 +3,8 @@ ModelRunner). It owns what the device holds for the running sequences: the KV ca
 persistent input batch (every per-slot value), the layout of a step's rows, the forwards (prefill,
 decode: static shapes and CUDA graphs where asked) and the sampler.
 
-- `prepare(plan)`: beam searches' reordering, blocks to zero, packing moves in the input batch
-  (the cache's block tables moved with the plan), and the plan's admitted sequences written into
+- `prepare(plan)`: beam searches' slots and tokens, packing moves in the input batch (the
+  scheduler moved the cache's block tables), and the plan's admitted sequences written into
   the input batch;
 - `execute(plan)`: rows laid out, the forwards and the sampling queued, and the one device→host
   copy of what was drawn (read later with `read`: the core's overlap); where a grammar's mask
@@ -68,10 +68,8 @@ class ModelRunner:
         with torch.inference_mode():
             if plan.beam_moves:  # as the searches left the slots, before packing or copies read them
                 apply_beam_moves(self.batch, plan.beam_moves)
-            if plan.scrub:  # first: a slot zeroed here may be a move's or an admission's target
-                self.cache.scrub(plan.scrub)
-            for src, dst, length, swap in plan.moves:
-                self._move(src, dst, length, swap)
+            for src, dst in plan.moves:  # the scheduler moved the cache's block tables already
+                self.batch.move(src, dst)
         for state in plan.admitted:
             for seq in state.sequences:
                 self.batch.add(state, seq)
@@ -109,13 +107,6 @@ class ModelRunner:
     def exhausted(self) -> list[RequestState]:
         """The requests a sequence of which drew its last token in a step not read yet."""
         return self.batch.exhausted(self.cache.in_use)
-
-    def _move(self, src: int, dst: int, length: int, swap: bool) -> None:
-        if swap:
-            self.cache.swap_slots(src, dst, length)
-        elif length:
-            self.cache.copy_slots([src], [dst], length)
-        self.batch.move(src, dst)
 
     # --- the forwards -------------------------------------------------------------------------------
     def _run(self, plan: StepPlan, rows: StepRows) -> torch.Tensor:

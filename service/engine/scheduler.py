@@ -94,7 +94,6 @@ class Scheduler:
         self.grammars = grammars
         self.speculative = speculative
         self.reader = StepReader(self, eos_token_id)
-        self._scrub: list[int] = []  # slots freed after non-finite values, for the next plan
         self._beam_moves: list[BeamMove] = []  # what the beam searches read ask of the next plan
         self.max_waiting = max_waiting
         self.max_prefill_tokens = max_prefill_tokens
@@ -220,11 +219,10 @@ class Scheduler:
                 for seq in state.sequences[1:]:
                     self.cache.fork(first.slot, seq.slot, chunk.end)
                     seq.cached = len(seq.token_ids)
-        scrub, self._scrub = self._scrub, []
         beam_moves, self._beam_moves = self._beam_moves, []
         plan = StepPlan(chunks, decode, cancelled, moves, [chunk.state for chunk in chunks if chunk.completes],
                         sum(chunk.end - chunk.start for chunk in chunks), sum(s.reused for s in admitted), admitted,
-                        scrub, running=len(self.running), host_paced=self.host_paced_running, beams=self.beams_running,
+                        running=len(self.running), host_paced=self.host_paced_running, beams=self.beams_running,
                         sitting_out=[seq.slot for state in sitting_out for seq in state.live], beam_moves=beam_moves)
         if self.speculative is not None and paced:  # drafters are host-paced
             # The batch a draft token is priced against: every running sequence (held slots: a
@@ -467,9 +465,12 @@ class Scheduler:
         for seq in freed:
             seq.finish_reason = "error"
             self.releases += 1
+            # Zeroed as they go back to the pool, before this step's plan can give them to a row
+            # (a copy on write into one would otherwise be wiped later); queued after the step in
+            # flight on the device, which may still write them.
             blocks = self.cache.release(seq.slot)  # those no other row holds
-            if scrub:  # zeroed by the runner before the next plan's forwards (StepPlan.scrub)
-                self._scrub += blocks
+            if scrub:
+                self.cache.scrub(blocks)
             self.cache.free(seq.slot)
             self.prefix.drop(seq.slot)
 
@@ -582,7 +583,7 @@ class Scheduler:
             target = self.cache.allocate(1, tokens=0)[0]  # the lowest free slot, below seq.slot
             self.cache.move_row(seq.slot, target)
             self.cache.free(seq.slot, keep_blocks=True)  # what target retained, if anything
-            moves.append((seq.slot, target, 0, False))  # for the input batch: the tables moved here
+            moves.append((seq.slot, target))  # for the input batch: the tables moved here
             self.prefix.move(target, seq.slot)
             seq.slot = target
             live.insert(0, seq)

@@ -94,8 +94,8 @@ def test_beam_requests_joining_and_leaving_mid_stream_match_generate(engine, ref
     case_of: dict[str, int] = {}
     results = {}
     moves = []
-    original_move = engine.core.runner._move
-    engine.core.runner._move = lambda src, dst, *rest: (moves.append((src, dst)), original_move(src, dst, *rest))
+    original_move = engine.core.cache.move_row  # a packing move moves the rows' block tables
+    engine.core.cache.move_row = lambda src, dst: (moves.append((src, dst)), original_move(src, dst))
     for step in range(6):
         for item in schedule.get(step, []):
             request = beam_request(item) if isinstance(item, int) else item

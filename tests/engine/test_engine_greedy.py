@@ -69,8 +69,8 @@ def test_joining_and_leaving_mid_stream_changes_nobody(make_engine, references, 
     engine = make_engine(max_slots=4, static_decode=static)
     runs = count_static_runs(engine) if static else None
     moves = []
-    original_move = engine.core.runner._move
-    engine.core.runner._move = lambda src, dst, *rest: (moves.append((src, dst)), original_move(src, dst, *rest))
+    original_move = engine.core.cache.move_row  # a packing move moves the rows' block tables
+    engine.core.cache.move_row = lambda src, dst: (moves.append((src, dst)), original_move(src, dst))
     results = {}
     # Staggered arrivals; short requests finish early and leave holes below running ones.
     schedule = {0: [(48, 24), (2, 1)], 1: [(9, 7)], 3: [(5, 20), (1, 12)], 6: [(33, 5)], 9: [(17, 16), (64, 10)]}

@@ -30,13 +30,18 @@ def fixed_slots(config) -> KVCache:
     return cache
 
 
+def grow_in_turn(cache: KVCache) -> None:
+    """Rows 2, 0, 3, 1 take a block at a time in turn, up to MAX_LEN positions each."""
+    for tokens in range(4, MAX_LEN + 1, 4):
+        for row in (2, 0, 3, 1):
+            assert cache.ensure(row, tokens)
+
+
 def interleaved_blocks(config) -> KVCache:
     """Rows 2, 0, 3, 1 grow a block at a time in turn: no row's blocks are consecutive."""
     cache = KVCache(config, max_slots=5, max_len=MAX_LEN, num_blocks=48, block_size=4)  # no homes: 5 rows
     cache.allocate(4, tokens=0)
-    for tokens in range(4, MAX_LEN + 1, 4):
-        for row in (2, 0, 3, 1):
-            assert cache.ensure(row, tokens)
+    grow_in_turn(cache)
     return cache
 
 
@@ -52,9 +57,7 @@ def rows_growing_at_home(config) -> KVCache:
     blocks (a fixed slot's), so the rows read as one view."""
     cache = KVCache(config, max_slots=4, max_len=MAX_LEN, block_size=4)
     cache.allocate(4, tokens=0)
-    for tokens in range(4, MAX_LEN + 1, 4):
-        for row in (2, 0, 3, 1):
-            assert cache.ensure(row, tokens)
+    grow_in_turn(cache)
     return cache
 
 
@@ -65,9 +68,7 @@ def tables_copied_as_on_cuda(config) -> KVCache:
     cache._shared_tables = False
     cache.device_tables = torch.from_numpy(cache.tables.copy())
     cache.allocate(4, tokens=0)
-    for tokens in range(4, MAX_LEN + 1, 4):
-        for row in (2, 0, 3, 1):
-            assert cache.ensure(row, tokens)
+    grow_in_turn(cache)
     assert cache._tables_stale
     return cache
 
