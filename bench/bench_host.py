@@ -83,6 +83,12 @@ MIX = "gpt2_host_mix"  # bench/host_mix.py's
 MIN_TOKENS = 2048  # per measurement: enough clock ticks (10 ms) of CPU time to read
 
 
+def full_sequence_bytes(model_dir: Path) -> int:
+    """Keys and values of one full-context sequence of the model in float32."""
+    config = json.loads((model_dir / "config.json").read_text())
+    return 2 * config["n_layer"] * config["n_embd"] * 4 * config["n_positions"]
+
+
 class StandinServer(ServiceProcess):
     """A checkout's server, launched through the stand-in (copied into `launcher_dir`)."""
 
@@ -92,6 +98,10 @@ class StandinServer(ServiceProcess):
         self.checkout = checkout
         flags = ["--model-dir", str(model_dir), "--max-batch-size", str(slots), "--max-waiting", str(max(64, slots)),
                  "--max-new-tokens", str(max(new_tokens, 256)), "--threads", "1"]
+        if "kv_cache_bytes" in (checkout / "service" / "settings.py").read_text():
+            # On a GPU the KV pool holds every row's full context (--kv-cache-memory-fraction, capped
+            # there); the CPU's default of 16 sequences would cap the batch this stand-in models.
+            flags += ["--kv-cache-bytes", str(slots * full_sequence_bytes(model_dir))]
         flags += extra_flags
         if api_servers != 1:  # the supervisor spawns the core (the stand-in reaches it) and N HTTP processes
             flags += ["--api-servers", str(api_servers)]

@@ -100,6 +100,7 @@ def core_config(settings: Settings, context_length: int, eos_token_id: int) -> C
         max_slots=settings.max_batch_size,
         max_len=context_length,
         kv_cache_bytes=settings.kv_cache_bytes,
+        kv_cache_fraction=settings.kv_cache_memory_fraction if settings.device == "cuda" else None,
         kv_cache_sequences=DEFAULT_KV_CACHE_SEQUENCES,
         # The HTTP side admits at most max_batch_size + max_waiting requests (429 beyond), so
         # the core's own queue never refuses one: a beam request holds several slots, so up to

@@ -57,8 +57,15 @@ class Settings(BaseSettings):
     max_batch_size: int = Field(16, ge=1, le=1024, description="sequences decoded together (running rows); the KV"
                                 " cache's memory, --kv-cache-bytes, bounds their tokens")
     kv_cache_bytes: int | None = Field(
-        None, ge=1, description="bytes of keys and values the KV cache's block pool holds; default: 16 full-context"
-        " sequences' (the cache of 16 fixed slots before it was paged: 1.2 GB for GPT-2 124M in float32)",
+        None, ge=1, description="bytes of keys and values the KV cache's block pool holds; default on CPU: 16 full-context"
+        " sequences' (the cache of 16 fixed slots before it was paged: 1.2 GB for GPT-2 124M in float32), on CUDA:"
+        " --kv-cache-memory-fraction",
+    )
+    kv_cache_memory_fraction: float = Field(
+        0.8, gt=0, le=1, description="on CUDA, without --kv-cache-bytes: the fraction of the GPU memory free after"
+        " loading the weights that the KV cache's block pool takes, at most --max-batch-size full-context sequences'"
+        " (as vLLM's --gpu-memory-utilization, of free memory: the rest is for activations, CUDA graphs and the"
+        " analysis process)",
     )
     max_seq_len: int | None = Field(
         None, ge=2, description="prompt + generated tokens per sequence; default: the model's context"

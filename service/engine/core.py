@@ -55,6 +55,9 @@ class EngineConfig:
     # None: kv_cache_sequences sequences of max_len tokens (default max_slots of them, what a
     # cache of fixed slots took). max_slots bounds the sequences running, the budget their tokens.
     kv_cache_bytes: int | None = None
+    # Else, on a GPU: this fraction of the device's memory free once the weights are loaded (as
+    # vLLM's --gpu-memory-utilization), at most max_slots full-length sequences' (more is idle).
+    kv_cache_fraction: float | None = None
     kv_cache_sequences: int | None = None
     max_waiting: int = 64  # requests queued beyond the running ones; more raise QueueFull
     # Prompt tokens one step prefills; a longer prompt is prefilled
@@ -77,11 +80,14 @@ class EngineConfig:
     overlap: bool | None = None
 
 
-def kv_blocks(engine: EngineConfig, max_len: int, config, dtype: torch.dtype) -> int | None:
-    """Blocks the engine's KV budget holds (None: the cache's default, max_slots full rows)."""
+def kv_blocks(engine: EngineConfig, max_len: int, config, dtype: torch.dtype, free_bytes: int | None = None) -> int | None:
+    """Blocks the engine's KV budget holds (None: the cache's default, max_slots full rows).
+    `free_bytes`: the device's free memory, where kv_cache_fraction applies (a GPU)."""
     per_block = bytes_per_token(config, dtype) * BLOCK_SIZE
     if engine.kv_cache_bytes is not None:
         budget = engine.kv_cache_bytes
+    elif engine.kv_cache_fraction is not None and free_bytes is not None:
+        budget = min(int(engine.kv_cache_fraction * free_bytes), engine.max_slots * blocks_for(max_len) * per_block)
     elif engine.kv_cache_sequences is not None:
         budget = engine.kv_cache_sequences * blocks_for(max_len) * per_block
     else:
@@ -109,8 +115,9 @@ class EngineCore:
         self.device = model.device
         self.clock = clock
         max_len = config.max_len or model.config.n_positions
+        free = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else None
         self.cache = KVCache(model.config, config.max_slots, max_len, self.device, model.dtype,
-                             num_blocks=kv_blocks(config, max_len, model.config, model.dtype))
+                             num_blocks=kv_blocks(config, max_len, model.config, model.dtype, free))
         self.scheduler = Scheduler(self.cache, config.max_waiting, config.max_prefill_tokens, eos_token_id,
                                    config.prefix_caching, grammars, config.speculative)
         self.runner = ModelRunner(self.model, self.cache, eos_token_id, grammars, config.speculative,

@@ -128,3 +128,32 @@ def test_the_budget_in_bytes_sets_the_pool(make_engine):
     assert make_engine(max_slots=3).cache.num_blocks == 3 * FULL_ROW_BLOCKS  # default: max_slots full rows
     with pytest.raises(ValueError, match="holds no block"):
         make_engine(kv_cache_bytes=per_block - 1)
+
+
+def test_on_a_gpu_the_budget_is_a_fraction_of_free_memory_capped_at_full_rows():
+    """vLLM's --gpu-memory-utilization, of the memory free after the weights: a fraction of a
+    small free memory is the pool; a fraction of a large one stops at max_slots full rows; bytes
+    given win; without free memory known (the CPU) the sequences' default holds."""
+    import torch
+
+    from model.kv_cache import blocks_for, bytes_per_token
+    from service.engine.core import EngineConfig, kv_blocks
+
+    per_block = bytes_per_token(TINY, torch.float16) * 16
+    full_rows = 8 * blocks_for(TINY.n_positions)
+    config = EngineConfig(max_slots=8, kv_cache_fraction=0.5, kv_cache_sequences=2)
+    assert kv_blocks(config, TINY.n_positions, TINY, torch.float16, free_bytes=20 * per_block) == 10
+    assert kv_blocks(config, TINY.n_positions, TINY, torch.float16, free_bytes=10**12) == full_rows
+    assert kv_blocks(config, TINY.n_positions, TINY, torch.float16) == 2 * FULL_ROW_BLOCKS
+    given = EngineConfig(max_slots=8, kv_cache_bytes=3 * per_block, kv_cache_fraction=0.5)
+    assert kv_blocks(given, TINY.n_positions, TINY, torch.float16, free_bytes=10**12) == 3
+
+
+def test_the_service_takes_a_fraction_of_free_memory_on_cuda_and_sequences_on_cpu():
+    from service.app import core_config
+    from service.settings import Settings
+
+    on_gpu = core_config(Settings(device="cuda", kv_cache_memory_fraction=0.7), 1024, 50256).engine
+    on_cpu = core_config(Settings(device="cpu"), 1024, 50256).engine
+    assert on_gpu.kv_cache_fraction == 0.7 and on_cpu.kv_cache_fraction is None
+    assert on_cpu.kv_cache_sequences == 16
