@@ -53,8 +53,8 @@ class Engine:
         return self.core.scheduler
 
     @property
-    def slot_params(self):
-        return self.core.runner.batch.params
+    def input_batch(self):
+        return self.core.runner.batch
 
     def submit(self, requests: list[GenerationRequest]) -> None:
         """Queue requests to be prefilled together. Raises ValueError, QueueFull, EngineStopped."""

@@ -77,21 +77,12 @@ class BlockRoom:
             if beams:
                 self.writable(slot, 0, state.prompt_length)
 
-    def grow(self, decode: Iterable[RequestState]) -> None:
-        """A block for each decoding row whose next position starts one, and a copy of the block
-        it writes where that one is shared. Found with array operations: most steps, most rows
-        need neither, and this runs over every row of every step."""
-        # The step writes position written - 1 of each row.
-        rows = [(seq.slot, len(seq.token_ids) + seq.pending) for state in decode for seq in state.live]
-        if not rows:
-            return
-        cache = self.cache
-        slots, written = np.array(rows, dtype=np.int64).T
-        block = (written - 1) // cache.block_size
-        short = block >= cache.row_blocks[slots]
-        shared = cache.refs[cache.tables[slots, block]] > 1  # a new block's entry is the scratch block: refs 0
-        for i in np.flatnonzero(short | shared).tolist():
-            slot, end = int(slots[i]), int(written[i])
+    def grow(self, slots: np.ndarray, written: np.ndarray) -> None:
+        """A block for each decoding row on `slots` whose write this step (position `written` - 1)
+        starts one, and a copy of the block it writes where that one is shared. The scheduler finds
+        those rows with array operations (most steps, most rows need neither); a row given that
+        needs nothing (grown before a preemption retried) costs a check."""
+        for slot, end in zip(slots.tolist(), written.tolist()):
             self._ensure(slot, end)
             self.writable(slot, end - 1, end)
 

@@ -181,14 +181,16 @@ class EngineCore:
                     scheduler.in_flight(launched)
                 launched.releases = scheduler.releases
                 batch_size, decode_tokens = len(launched.rows.row_of), len(launched.rows.decoding)
-            if previous is not None:
-                self._update(previous, results)
+            # One step's tokens read: the one before (overlap), else this one.
+            read = previous if deferred else launched
+            if read is not None:
+                scheduler.update_from_output(read, runner.read(read), results)
+                if read.rows.drafted:  # its sequences' lengths and last tokens, known now
+                    runner.after_read(read)
             if launched is not None and launched.awaiting is not None:  # a grammar's masks needed those tokens
                 runner.draw(launched)
             if deferred:
                 self._launched = launched
-            elif launched is not None:
-                self._update(launched, results)
             failed += results.failed
             if self.runner.adapters.unloading:
                 self.free_unloaded_adapters()
@@ -226,12 +228,6 @@ class EngineCore:
         kept = sum(int(cache.row_blocks[slot]) for slot in scheduler.prefix.retained)
         return {"kv_blocks_used": cache.num_blocks - cache.blocks_free - kept, "kv_blocks_total": cache.num_blocks,
                 "preemptions": preemptions, "prefix_evictions": evictions}
-
-    def _update(self, launched: LaunchedStep, results: StepResults) -> None:
-        """Read a launched step's tokens into the scheduler, then tell the runner what they said."""
-        self.scheduler.update_from_output(launched, self.runner.read(launched), results)
-        if launched.rows.drafted:
-            self.runner.after_read(launched)
 
     def free_unloaded_adapters(self) -> None:
         """Free the adapters being unloaded that no request uses any more: after each step, and

@@ -3,11 +3,12 @@ sampler draws for, and the index vectors the device needs, all decided before an
 queued (on CUDA a host→device copy waits for queued work, so making them after the forwards were
 launched would stall the host until they finish).
 
-Two ways to the same layout: from the input batch (service/engine/input_batch.py) when enough run
-for array operations to pay (grammars, drafters, beam searches and the sequences verifying a draft
-among them: those sequences' 1 + k rows come after the others, which are laid out as in a step
-without drafts); row by row from the sequences otherwise (few rows). This is the one place that
-chooses.
+Two ways to the same layout: from the input batch's arrays (service/engine/input_batch.py) when
+enough run for array operations to pay (grammars, drafters, beam searches and the sequences
+verifying a draft among them: those sequences' 1 + k rows come after the others, which are laid
+out as in a step without drafts); row by row from the sequences otherwise (few rows). This is the
+one place that chooses; either way the rows' facts come from the input batch in one gather, and
+the step is read the same way.
 """
 
 from __future__ import annotations
@@ -22,9 +23,10 @@ from service.engine.input_batch import InputBatch
 from service.engine.requests import Sequence, StepPlan
 from service.engine.step_data import StepRows
 
-# From this many running requests a step is laid out from the slot table and its tokens read as
-# a batch (service/engine/step_reader.py): below it numpy's and torch's fixed cost per operation
-# (a few µs, some dozen of them) exceeds Python's per row.
+# From this many running requests a step is laid out from the input batch's arrays: below it
+# numpy's fixed cost per operation (a few µs, some dozen of them) exceeds Python's per row. Either
+# way its rows' facts are gathered from the input batch, and its tokens read as a batch
+# (service/engine/step_reader.py).
 BATCHED_ROWS = 16
 
 
@@ -78,7 +80,7 @@ class StepLayout:
         logit_rows = list(range(rows)) + [row_of[seq.slot] for _, seq in completing]
         host = np.empty((3, len(slots)), dtype=np.int64)  # one host→device copy: [3, B]
         host[0], host[1], host[2] = logit_rows, slots, batch.lengths(slots)
-        return self._rows(decoding, row_of, sampled, host, slots, logit_rows, drafted=[], from_device=True, batched=True)
+        return self._rows(decoding, row_of, sampled, host, slots, logit_rows, drafted=[], from_device=True)
 
     def _batch_drafted(self, plan: StepPlan, drafted: list[Sequence], slots: list[int], decoding: list[Sequence],
                        sampled: list, row_of: dict[int, int]) -> StepRows:
@@ -109,22 +111,20 @@ class StepLayout:
         host[2] = batch.lengths(host[1])  # the undrafted and completing rows' counters (drafted: below)
         host[2, first:row] = np.repeat([len(seq.token_ids) + seq.pending for seq in drafted], counts) + offsets
         step_rows = self._rows(decoding + drafted, row_of, sampled, host, all_slots, host[0].tolist(), drafted,
-                               from_device=True, batched=True)
+                               from_device=True)
         step_rows.undrafted = np.concatenate([np.arange(first), np.arange(row, len(all_slots))])
         return step_rows
 
     def _rows(self, decoding: list[Sequence], row_of: dict[int, int], sampled: list, host: np.ndarray, slots: list[int],
-              logit_rows: list[int], drafted: list[Sequence], from_device: bool, batched: bool) -> StepRows:
-        """`host`: [3, B] the sampled rows' logits rows, slots and counters; `batched`: its tokens
-        may be read as a batch (the rows' table entries are gathered for it)."""
-        sample_rows, sample_slots, sample_counters = to_device(torch.from_numpy(host), self.device)  # [B] each
+              logit_rows: list[int], drafted: list[Sequence], from_device: bool) -> StepRows:
+        """`host`: [3, B] the sampled rows' logits rows, slots and counters. Their facts are gathered
+        from the input batch, which counts their draws."""
+        device = to_device(torch.from_numpy(host), self.device)  # [3, B]: one copy
+        sample_rows, sample_slots, sample_counters = device  # [B] each
         ordered = list(range(len(slots)))
         logits_in_order = logit_rows == ordered  # slots aside: those a host-paced row sat out leave holes
         in_order = logits_in_order and slots == ordered
-        if batched:
-            facts = self.batch.gather(slots, host[1], host[2], in_order)
-        else:
-            facts = self.batch.gather_features(slots, host[1], host[2])
+        facts = self.batch.gather(slots, host, device, in_order, repeated=bool(drafted))
         read = slice(0, len(slots)) if in_order else sample_slots
         rows = StepRows(decoding, row_of, sampled, sample_rows, sample_slots, sample_counters, facts, in_order, drafted,
                         from_device, read)
@@ -133,7 +133,9 @@ class StepLayout:
 
     def _each(self, plan: StepPlan) -> StepRows:
         """The layout row by row, from the sequences themselves."""
-        by_slot = sorted([(seq.slot, state, seq) for state in plan.decode for seq in state.live])  # slots are unique
+        # Slots are unique. (A comprehension, not state.live: this runs over every row of every step.)
+        by_slot = sorted([(seq.slot, state, seq) for state in plan.decode for seq in state.sequences
+                          if seq.finish_reason is None])
         decoding = [seq for _, _, seq in by_slot]
         sampled = [(state, seq) for _, state, seq in by_slot]
         drafted = [seq for seq in decoding if seq.draft] if self.speculative else []
@@ -170,7 +172,7 @@ class StepLayout:
         # With no host-paced row or draft the decode rows are the first sampled ones, each feeding
         # the token the sampler left on the device for its slot.
         from_device = not (plan.host_paced or drafted)
-        rows = self._rows(decoding, row_of, sampled, host, slots, logit_rows, drafted, from_device, batched=False)
+        rows = self._rows(decoding, row_of, sampled, host, slots, logit_rows, drafted, from_device)
         if drafted:
             rows.undrafted = undrafted
         return rows

@@ -83,10 +83,7 @@ class ModelRunner:
         with torch.inference_mode():
             rows = self.layout.layout(plan)
             logits = self._run(plan, rows)
-            launched = self.sampler.launch(logits, rows, completing + plan.decode, completing, deferred)
-        # One draw each (a drafted sequence's length is set once its tokens are read).
-        self.batch.drew(rows.facts.slots, rows.in_slot_order, repeated=bool(rows.drafted))
-        return launched
+            return self.sampler.launch(logits, rows, completing + plan.decode, completing, deferred)
 
     def draw(self, launched: LaunchedStep) -> None:
         """Queue a launched step's draw that waited for the step before it to be read (a
@@ -99,10 +96,9 @@ class ModelRunner:
         return self.sampler.read(launched)
 
     def after_read(self, launched: LaunchedStep) -> None:
-        """What the read tokens tell the batch: after a drafted step, each sequence's length and
-        last token (the drafts that stood)."""
-        if launched.rows.drafted:
-            self.batch.set_drafted(launched.rows.drafted)
+        """What a drafted step's read tokens tell the batch: each sequence's length and last token
+        (the drafts that stood)."""
+        self.batch.set_drafted(launched.rows.drafted)
 
     def exhausted(self) -> list[RequestState]:
         """The requests a sequence of which drew its last token in a step not read yet."""

@@ -202,14 +202,25 @@ class Scheduler:
                 out = {id(state) for state in sitting_out}
                 decode = [state for state in decode if id(state) not in out]
                 paced = [state for state in paced if id(state) not in out]
-        decode, chunks, deferred = self._grow(decode, chunks)  # a block for each row crossing into a new one
-        if deferred:  # out of blocks, their tokens in flight: preempted next step if still short
-            sitting_out = sitting_out + deferred
+        # A block for each row whose write this step starts one, a copy of the block it writes where
+        # that one is shared: most steps, no row needs either (found with array operations).
+        rows = [(seq.slot, len(seq.token_ids) + seq.pending) for state in decode for seq in state.sequences
+                if seq.finish_reason is None]
+        if rows:
+            cache = self.cache
+            slots, written = np.array(rows, dtype=np.int64).T
+            block = (written - 1) // cache.block_size  # the block of position written - 1, this step's write
+            # (a block not held yet is the scratch block in the table: refs 0)
+            growing = (block >= cache.row_blocks[slots]) | (cache.refs[cache.tables[slots, block]] > 1)
+            if growing.any():
+                decode, chunks, deferred = self._grow(decode, chunks, slots[growing], written[growing])
+                if deferred:  # out of blocks, their tokens in flight: preempted next step if still short
+                    sitting_out = sitting_out + deferred
         if paced:  # a drafter preempted by _grow drafts nothing
             stepping = {id(state) for state in decode}
             paced = [state for state in paced if id(state) in stepping]
         admitted = self._admit(now, budget, chunks) if waiting else []
-        moves = self._pack()
+        moves = [] if self.cache.packed else self._pack()  # packed: no live sequence above a hole
         for chunk in chunks:  # what the plan's forwards write, before anyone can read it
             state = chunk.state
             first = state.sequences[0]
@@ -526,8 +537,10 @@ class Scheduler:
         self.waiting_count -= len(dropped)
         return dropped
 
-    def _grow(self, decode: list[RequestState], chunks: list[PrefillChunk]) -> tuple[list, list, list]:
-        """Blocks for every decoding row's next position; while the pool has none, the youngest
+    def _grow(self, decode: list[RequestState], chunks: list[PrefillChunk], slots: np.ndarray,
+              written: np.ndarray) -> tuple[list, list, list]:
+        """Blocks for the decoding rows on `slots` whose write this step (position `written` - 1)
+        needs a new block or a copy of a shared one; while the pool has none, the youngest
         running request that can be recomputed goes back to the front of the queue (preemption
         by recompute, vLLM's default), and leaves this step's decode and chunks. With overlap a
         decoding request has a token in flight, which a preemption would lose: the youngest that
@@ -537,20 +550,21 @@ class Scheduler:
         deferred: list[RequestState] = []
         while True:
             try:
-                self.room.grow(decode)
+                self.room.grow(slots, written)
                 return decode, chunks, deferred
             except OutOfBlocks:
-                victim = next((state for state in reversed(self.running) if recomputable(state)), None)
-                if victim is not None:
-                    self._preempt(victim)
-                    decode = [state for state in decode if state is not victim]
-                    chunks = [chunk for chunk in chunks if chunk.state is not victim]
-                    continue
-                waiting = next((state for state in reversed(decode) if recomputable(state, once_read=True)), None)
-                if waiting is None:
-                    raise
-                deferred.append(waiting)
-                decode = [state for state in decode if state is not waiting]
+                leaving = next((state for state in reversed(self.running) if recomputable(state)), None)
+                if leaving is not None:
+                    self._preempt(leaving)
+                    chunks = [chunk for chunk in chunks if chunk.state is not leaving]
+                else:
+                    leaving = next((state for state in reversed(decode) if recomputable(state, once_read=True)), None)
+                    if leaving is None:
+                        raise
+                    deferred.append(leaving)
+                decode = [state for state in decode if state is not leaving]
+                stepping = slots != leaving.sequences[0].slot  # recomputable: one sequence
+                slots, written = slots[stepping], written[stepping]
 
     def _preempt(self, state: RequestState) -> None:
         """Free a running request's row and blocks and queue it first: readmitted, it prefills
@@ -574,8 +588,6 @@ class Scheduler:
         A move is a block-table move (KVCache.move_row): no key or value is copied. A hole that
         holds a retained prefix swaps it into the slot the sequence left, so packing evicts nothing.
         """
-        if self.cache.packed:  # the slots in use are the live sequences': none above a hole
-            return []
         moves = []
         live = sorted((seq for state in self.running for seq in state.live), key=BY_SLOT)
         while live and live[-1].slot >= len(live):

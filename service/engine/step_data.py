@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from model.sampling import SamplingTensors
 from service.engine.faults import RowFault
 from service.engine.requests import RequestState, Sequence
 from service.engine.row_features import RowFeatures
@@ -26,23 +27,26 @@ LAST, PROMPT_LENGTH, EOS, LENGTH = range(4)
 
 @dataclass
 class RowFacts:
-    """A step's sampled rows, gathered from the slot table at launch (the slots may be reused or
-    moved before the step's tokens are read)."""
+    """A step's sampled rows, gathered from the input batch at launch (the slots may be reused or
+    moved before the step's tokens are read): what the host reads them with, and what the sampler
+    draws them with on the device."""
 
     features: RowFeatures
     request_ids: list[str]
     indexes: list[int]  # sequence index within the request
     slots: np.ndarray  # [B] the rows' slots
     counters: np.ndarray  # [B] tokens the row's sequence holds when its token is drawn
-    # [B, 4] their rows of the slot table (a copy): LAST, PROMPT_LENGTH, EOS, LENGTH; None when the
-    # step is read row by row (request_ids and indexes are then empty too).
-    table: np.ndarray | None
-    # For a step read as a batch: [B, MAX_STOP_IDS] the rows' stop token ids (-1: none), when a
-    # row has some; each row's count of alternatives asked for, when a row asks.
+    table: np.ndarray  # [B, 4] their rows of the batch's host table (a copy): LAST, PROMPT_LENGTH, EOS, LENGTH
+    # [B, MAX_STOP_IDS] the rows' stop token ids (-1: none), when a row has some; each row's count
+    # of alternatives asked for, when a row asks.
     stop_ids: np.ndarray | None = None
     wanted: list[int] | None = None
-    own: list[int] | None = None  # the rows of a batch read with Python of their own, when any
-    constrained: list[int] | None = None  # the rows of a batch a grammar constrains, when any
+    own: list[int] | None = None  # the rows read with Python of their own (a drafter, a beam), when any
+    constrained: list[int] | None = None  # the rows a grammar constrains, when any
+    # On the device: the rows' sampling parameters and controls, and the tokens they have seen
+    # (for a repetition penalty, when a row has one).
+    sampling: SamplingTensors | None = None
+    seen: torch.Tensor | None = None
 
 
 @dataclass
@@ -80,7 +84,7 @@ class StepRows:
     # packed into slots 0..B-1 (a persistent batch). The per-slot tables are then read as views
     # of their first B rows and the logits as a view of theirs, with no gather (on a GPU: no
     # [B, V] copy and no index kernels).
-    facts: RowFacts  # the sampled rows' facts from the slot tables (service/engine/slot_rows.py)
+    facts: RowFacts  # the sampled rows' facts from the input batch (service/engine/input_batch.py)
     in_slot_order: bool = False
     # The decoding sequences verifying a draft this step (their lengths and last tokens are set
     # once it is read); empty: none.

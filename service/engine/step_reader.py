@@ -2,9 +2,10 @@
 a grammar's end and length checked, drafts judged, ended sequences' slots freed, and the step's
 tokens collected (as columns, StepTokens) for the HTTP side.
 
-A step laid out from the slot table is read as a batch: its stops are array comparisons against
-the rows' table entries gathered at launch (a grammar's rows add their matcher's step); a
-drafter's rows are read on their own beside it (a draft's 1 + k rows together).
+Every step is read as a batch, however it was laid out: its stops are array comparisons against
+the rows' facts gathered from the input batch at launch (a grammar's rows add their matcher's
+step); a drafter's rows are read on their own beside it (a draft's 1 + k rows together), and a
+beam's by its search (service/engine/beams.py).
 """
 
 from __future__ import annotations
@@ -54,54 +55,20 @@ class StepReader:
 
     def read(self, launched: LaunchedStep, host: np.ndarray, results: StepResults) -> None:
         """Append each sequence's tokens (`host`: the sampler's rows, one per sampled row) and
-        report them. The requests a sequence of which ended are added to `launched.ended`."""
+        report them. The requests a sequence of which ended are added to `launched.ended`.
+
+        One pass over the step's arrays: every row's stops (EOS, stop ids, a grammar's end, length)
+        as array operations against the rows' facts gathered at launch; Python per row only to
+        append a token to its sequence, and for the rows that end, ask for alternatives or have a
+        grammar. A drafter's rows (a draft's 1 + k) and a beam's are read on their own first."""
         if launched.faults or (len(host) and not np.isfinite(host[:, 1]).all()):  # a failing step alone
             self._fail_faulty(launched, host)
-        # Row by row where the layout was (a step verifying drafts, few rows).
-        if launched.rows.facts.table is None:
-            self._each(launched, host.tolist(), results)
-        else:
-            self._batch(launched, host, results)
-
-    def _fail_faulty(self, launched: LaunchedStep, host: np.ndarray) -> None:
-        """End the requests of the rows that failed: a grammar's mask at launch, or logits that
-        were not finite (their log-probability is NaN or infinite: faults.py). Their rows are
-        then skipped like those of any sequence that ended since launch."""
-        bad = np.flatnonzero(~np.isfinite(host[:, 1])).tolist()
-        faults = dict(launched.faults)
-        for row in bad:
-            _, seq = launched.rows.sampled[row]
-            faults.setdefault(row, nonfinite(len(seq.token_ids) - seq.prompt_length + 1))
-        for row, fault in sorted(faults.items()):
-            state, seq = launched.rows.sampled[row]
-            if seq.finish_reason is None:  # else it ended since launch, and this row is moot
-                self.fail(state, fault, launched)
-
-    def fail(self, state: RequestState, fault: RowFault, launched: LaunchedStep) -> None:
-        """The request ends with `fault`: every sequence of it leaves now (the core then answers
-        it: RequestFailed)."""
-        self.scheduler.end_failed(state, scrub=fault.cause == NONFINITE)
-        launched.failed.append((state, fault))
-
-    def _batch(self, launched: LaunchedStep, host: np.ndarray, results: StepResults) -> None:
-        """Every row one token with no per-row stop but EOS, stop ids, a grammar's end and length:
-        the stops of the whole batch as array operations, Python per row only to append a token to
-        its sequence (and for the rows that end, ask for alternatives or have a grammar)."""
         facts, sampled = launched.rows.facts, launched.rows.sampled
         tokens, logprobs, counters, table = host[:, 0].astype(np.int64), host[:, 1], facts.counters, facts.table
         request_ids, indexes, stop_ids, wanted = facts.request_ids, facts.indexes, facts.stop_ids, facts.wanted
         own, kept, stopped = facts.own, None, None
-        if own:  # a drafter's rows: read on their own, before the others
-            kept = np.ones(len(sampled), dtype=bool)
-            kept[own] = False
-            after = 0  # the row after the last one read: a draft's 1 + k rows are read together
-            for i in own:
-                if i < after:
-                    continue
-                state, seq = sampled[i]
-                after = i + 1 + len(seq.draft)
-                if seq.finish_reason is None:
-                    self._read_sequence(launched, state, seq, host[i:after].tolist(), results)
+        if own:
+            kept = self._read_own(launched, host, own, results)
         if facts.constrained:
             stopped = self._match(launched, sampled, tokens, facts.constrained, own)
         if launched.releases != self.scheduler.releases:  # a sequence ended since launch: one of these?
@@ -132,20 +99,43 @@ class StepReader:
             ids = seq.token_ids
             ids.append(token)
             seq.cached = len(ids) - 1  # the forward that chose it wrote every earlier token
-        reasons = {}
+        out = results.tokens  # its columns extended here: every step runs this
+        offset = len(out.token_ids)
         for i in ends:
             state, seq = sampled[i]
-            reasons[i] = reason = "eos_token" if eos[i] else "length"
+            out.reasons[offset + i] = reason = "eos_token" if eos[i] else "length"
             self.scheduler.release_sequence(seq, reason, state)
             launched.ended.append(state)
-        offset = len(results.tokens)
-        results.tokens.extend(request_ids, indexes, token_ids, logprobs.tolist(), reasons)
+        out.request_ids += request_ids
+        out.indexes += indexes
+        out.token_ids += token_ids
+        out.logprobs += logprobs.tolist()
         if wanted is not None:  # alternatives: Python for the rows that asked, the rest untouched
-            n, top = launched.alternatives, results.tokens.top
+            n = launched.alternatives
             for i, count in enumerate(wanted):
                 if count:
-                    top[offset + i] = alternatives(host[i if rows is None else rows[i]].tolist(), n, count)
+                    out.top[offset + i] = alternatives(host[i if rows is None else rows[i]].tolist(), n, count)
         results.decode_output_tokens += int(np.count_nonzero(counters > table[:, PROMPT_LENGTH]))  # not a prompt's first
+
+    def _fail_faulty(self, launched: LaunchedStep, host: np.ndarray) -> None:
+        """End the requests of the rows that failed: a grammar's mask at launch, or logits that
+        were not finite (their log-probability is NaN or infinite: faults.py). Their rows are
+        then skipped like those of any sequence that ended since launch."""
+        bad = np.flatnonzero(~np.isfinite(host[:, 1])).tolist()
+        faults = dict(launched.faults)
+        for row in bad:
+            _, seq = launched.rows.sampled[row]
+            faults.setdefault(row, nonfinite(len(seq.token_ids) - seq.prompt_length + 1))
+        for row, fault in sorted(faults.items()):
+            state, seq = launched.rows.sampled[row]
+            if seq.finish_reason is None:  # else it ended since launch, and this row is moot
+                self.fail(state, fault, launched)
+
+    def fail(self, state: RequestState, fault: RowFault, launched: LaunchedStep) -> None:
+        """The request ends with `fault`: every sequence of it leaves now (the core then answers
+        it: RequestFailed)."""
+        self.scheduler.end_failed(state, scrub=fault.cause == NONFINITE)
+        launched.failed.append((state, fault))
 
     def _match(self, launched: LaunchedStep, sampled: list, tokens: np.ndarray, constrained: list[int],
                own: list[int] | None) -> np.ndarray:
@@ -167,16 +157,20 @@ class StepReader:
                 stopped[i] = True
         return stopped
 
-    def _each(self, launched: LaunchedStep, host: list[list[float]], results: StepResults) -> None:
-        """Row by row: its draft's tokens that stand, then the model's own."""
+    def _read_own(self, launched: LaunchedStep, host: np.ndarray, own: list[int], results: StepResults) -> np.ndarray:
+        """Read the rows of their own (a draft's 1 + k rows together); [B]: False for them."""
         sampled = launched.rows.sampled
-        start = 0
-        while start < len(sampled):
-            state, seq = sampled[start]
-            end = start + 1 + len(seq.draft)
+        kept = np.ones(len(sampled), dtype=bool)
+        kept[own] = False
+        after = 0  # the row after the last one read
+        for i in own:
+            if i < after:
+                continue
+            state, seq = sampled[i]
+            after = i + 1 + len(seq.draft)
             if seq.finish_reason is None:  # else ended (or cancelled) since its step was launched
-                self._read_sequence(launched, state, seq, host[start:end], results)
-            start = end
+                self._read_sequence(launched, state, seq, host[i:after].tolist(), results)
+        return kept
 
     def _read_sequence(self, launched: LaunchedStep, state: RequestState, seq: Sequence, rows: list[list[float]],
                        results: StepResults) -> None:

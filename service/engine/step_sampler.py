@@ -1,5 +1,6 @@
 """The sampling stage of a step: the draw over a step's logits with its rows' parameters and
-controls (gathered from the input batch), and the one device→host copy of what it drew.
+controls (gathered from the input batch with the layout), and the one device→host copy of what it
+drew.
 
 `launch` queues the draw and the copy and returns at once (on CUDA the host goes on while the
 device works: the engine core's overlap); `read` waits for the copy and returns the tokens.
@@ -53,11 +54,7 @@ class StepSampler:
                 return launched
         launched.awaiting = None
         slots, read = rows.sample_slots, rows.read
-        features = rows.facts.features
-        slot_params, slot_controls = self.batch.params, self.batch.controls
-        params = slot_params.gather(read, features)
-        params.controls = slot_controls.gather(read, rows.sample_counters, features)
-        seen = slot_params.seen(read) if params.any_penalty else None
+        features, params = rows.facts.features, rows.facts.sampling
         step_logits = logits[: len(rows.sampled)] if rows.logits_in_order else logits[rows.sample_rows]  # [B, V]
         if self.injection is not None:
             step_logits = self.injection.apply(step_logits, launched.injected)
@@ -77,10 +74,9 @@ class StepSampler:
             index = to_device(constrained, step_logits.device)
             step_logits = step_logits.index_put((index,), step_logits[index].masked_fill(banned, float("-inf")))
             faults = {constrained[at]: grammar_failed(error) for at, error in errors.items()}
-        tokens, logprobs = choose_tokens(step_logits, params, rows.sample_counters, seen)  # [B], [B]
-        if params.any_penalty:
-            slot_params.mark_seen(slots, tokens)
-        slot_controls.record(params.controls, slots, rows.sample_counters, tokens)
+        tokens, logprobs = choose_tokens(step_logits, params, rows.sample_counters, rows.facts.seen)  # [B], [B]
+        if params.any_penalty or params.controls is not None:
+            self.batch.record(params, slots, rows.sample_counters, tokens)
         # The next step's inputs; a drafted sequence's (several rows on one slot) is set once its
         # step is read (it sits out the steps before), so no slot is written twice in one step.
         if rows.drafted:

@@ -23,7 +23,7 @@ class EngineStopped(Exception):
     """The engine is shutting down (draining) and takes no new work: answer 503."""
 
 
-# bad_words_ids bounds: the engine keeps a fixed-size table per slot (slot_controls.py).
+# bad_words_ids bounds: the engine keeps a fixed-size table per slot (input_batch.py).
 MAX_BAD_WORDS = 32  # sequences per request
 MAX_BAD_WORD_TOKENS = 8  # tokens per sequence
 
@@ -200,16 +200,6 @@ class StepTokens:
             self.reasons[position] = reason
         if top is not None:
             self.top[position] = top
-
-    def extend(self, request_ids: list[str], indexes: list[int], token_ids: list[int], logprobs: list[float],
-               reasons: dict[int, FinishReason]) -> None:
-        """Columns of tokens with no alternatives; `reasons` by position within them."""
-        offset = len(self.token_ids)
-        self.request_ids += request_ids
-        self.indexes += indexes
-        self.token_ids += token_ids
-        self.logprobs += logprobs
-        self.reasons.update((offset + i, reason) for i, reason in reasons.items())
 
     def __len__(self) -> int:
         return len(self.token_ids)

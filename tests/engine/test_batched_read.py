@@ -1,9 +1,9 @@
-"""With no beam search running and no draft to verify, the runner lays a step out from its input batch (the
-decode rows from one mask, their tokens fed from the device) and the scheduler reads its tokens as
-a batch: stops by EOS, stop token ids and length decided over arrays gathered at launch
-(service/engine/input_batch.py), alternatives taken for the rows that asked. It must give what
-the row-by-row paths give, with overlap on and off, including rows whose sequence ended after
-their step launched."""
+"""From BATCHED_ROWS running requests the runner lays a step out from its input batch's arrays (the
+decode rows from one mask, their tokens fed from the device), below it row by row from the
+sequences; the scheduler reads every step's tokens as a batch: stops by EOS, stop token ids and
+length decided over arrays gathered at launch (service/engine/input_batch.py), alternatives taken
+for the rows that asked. The array layout must give what the row-by-row one gives, with overlap on
+and off, including rows whose sequence ended after their step launched."""
 
 from __future__ import annotations
 
@@ -16,14 +16,14 @@ from tests.engine.conftest import make_request, random_prompt
 
 def run(model, eos: int, requests: list[dict], overlap: bool, cancel_at: dict[str, int] | None = None,
         batched: bool = True):
-    """{request id: [(token, log-prob, finish reason or None, alternatives), ...]} and the steps laid out and read
-    as a batch. `batched`: False lays out and reads every step row by row."""
+    """{request id: [(token, log-prob, finish reason or None, alternatives), ...]} and the steps laid out from
+    the input batch's arrays. `batched`: False lays out every step row by row."""
     layout_module.BATCHED_ROWS = 1 if batched else 10**9  # the conftest puts it back
     core = EngineCore(model, eos, EngineConfig(max_slots=4, overlap=overlap))
     calls = []
-    for part in (core.runner.layout, core.scheduler.reader):
-        real = part._batch
-        part._batch = lambda *args, real=real, part=part: (calls.append(part), real(*args))[1]
+    layout = core.runner.layout
+    real = layout._batch
+    layout._batch = lambda *args: (calls.append(layout), real(*args))[1]
     # `prompt`: the prompt of an earlier entry (default: its own)
     entries = [dict(params) for params in requests]
     prompts = [entry.pop("prompt", i) for i, entry in enumerate(entries)]
@@ -46,7 +46,7 @@ def run(model, eos: int, requests: list[dict], overlap: bool, cancel_at: dict[st
             core.submit([pending.pop(0)])
         if not pending and not core.has_work():
             assert core.cache.slots_used == 0
-            return out, min(calls.count(core.runner.layout), calls.count(core.scheduler.reader))
+            return out, len(calls)
     raise AssertionError("the core did not finish")
 
 
@@ -70,7 +70,7 @@ def test_eos_and_length_end_rows_as_one_by_one(tiny_model, eos):
     outcomes = {}
     for overlap in (False, True):
         batch, batched = run(tiny_model, eos, plain, overlap)
-        assert batched > 10  # the batched layout and read ran
+        assert batched > 10  # the array layout ran
         one_by_one, none = run(tiny_model, eos, plain, overlap, batched=False)
         assert none == 0
         assert one_by_one == batch
@@ -91,7 +91,7 @@ def test_stop_ids_and_alternatives_are_read_as_a_batch(tiny_model, eos):
              dict(max_new_tokens=11, do_sample=True, seed=3, top_logprobs=1), dict(max_new_tokens=6, stop_token_ids=[5])]
     for overlap in (False, True):
         batch, batched = run(tiny_model, -1, mixed, overlap)
-        assert batched > 10  # neither stop ids nor alternatives take a step off the batched read
+        assert batched > 10  # neither stop ids nor alternatives take a step off the array layout
         one_by_one, _ = run(tiny_model, -1, mixed, overlap, batched=False)
         assert batch == one_by_one
         assert [reason for *_, reason, _ in batch["r1"]] == [None] * where + ["eos_token"]

@@ -12,8 +12,7 @@ import pytest
 ENGINE = Path(__file__).resolve().parents[2] / "service" / "engine"
 
 # What runs the model or owns device state for it: the runner's side.
-RUNNER_SIDE = {"runner", "input_batch", "layout", "step_sampler", "slot_params", "slot_controls", "graphs", "forward",
-               "prompt_scores"}
+RUNNER_SIDE = {"runner", "input_batch", "layout", "step_sampler", "graphs", "forward", "prompt_scores"}
 # What owns requests: the scheduler's side.
 SCHEDULER_SIDE = {"scheduler", "step_reader", "prefix_cache", "validation"}
 

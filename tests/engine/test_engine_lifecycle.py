@@ -209,7 +209,7 @@ def test_timings_are_ordered_and_a_queued_request_waits_longer(make_engine):
 
 def test_a_failure_while_admitting_fails_the_step_and_leaks_no_slot(make_engine, hf_model):
     engine = make_engine(max_slots=2)
-    real_write = engine.slot_params.write
+    real_write = engine.input_batch.write_device
     calls = {"n": 0}
 
     def failing_write(*args):
@@ -218,7 +218,7 @@ def test_a_failure_while_admitting_fails_the_step_and_leaks_no_slot(make_engine,
             raise RuntimeError("cannot write parameters")
         real_write(*args)
 
-    engine.slot_params.write = failing_write
+    engine.input_batch.write_device = failing_write
     engine.submit([make_request([1, 2], request_id=f"r{i}", max_new_tokens=3) for i in range(3)])
     output = engine.step()
     # Writing an admitted sequence into the runner's batch failed: the step's requests fail, the

@@ -17,14 +17,14 @@ from tests.engine.token_hops import ROUTES, TokenPath, files_of, trace
 
 # Issue 45's goal: at most 25 distinct functions of the project in at most 12 files per streamed
 # token, held against the serving path (the functions outside model/: token_hops.py's doc and
-# docs/engine.md say why). The paths are longer today; these bounds are their counts as measured
-# (a ratchet): a change that lengthens one fails here, and one that shortens it should lower them,
-# down to the goal for the serving path. The whole path, model/ included, is bounded too.
+# docs/engine.md say why). These bounds are the counts as measured (a ratchet): a change that
+# lengthens a path fails here, and one that shortens it should lower them. The serving path is at
+# the goal; the whole path, model/ included, is bounded too.
 GOAL_FUNCTIONS, GOAL_FILES = 25, 12
-MAX_FUNCTIONS = {"tgi": 66, "openai": 66}  # the whole path
-MAX_FILES = {"tgi": 24, "openai": 24}
-MAX_SERVING_FUNCTIONS = {"tgi": 39, "openai": 39}  # the serving path: the goal's
-MAX_SERVING_FILES = {"tgi": 17, "openai": 17}
+MAX_FUNCTIONS = {"tgi": 52, "openai": 52}  # the whole path
+MAX_FILES = {"tgi": 19, "openai": 19}
+MAX_SERVING_FUNCTIONS = {"tgi": 25, "openai": 25}  # the serving path: the goal's
+MAX_SERVING_FILES = {"tgi": 12, "openai": 12}
 # The HTTP process's share alone, so that a shorter engine core cannot hide a longer HTTP side.
 MAX_HTTP_FUNCTIONS = {"tgi": 6, "openai": 6}
 MAX_HTTP_FILES = {"tgi": 4, "openai": 4}
