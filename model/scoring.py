@@ -77,7 +77,8 @@ def top_lowest_first(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.
         return values[:, :0], torch.zeros(values.shape[0], 0, dtype=torch.long, device=values.device)
     bits = (values + 0.0).view(torch.int32).long()  # + 0.0: -0.0 becomes 0.0, which it equals
     # A negative float's other bits count down: flipped, every value's bits order as the floats.
-    keys = bits.bitwise_xor_((bits >> 31) & 0x7FFFFFFF).bitwise_left_shift_(32).bitwise_or_(reversed_index(width, values.device))
+    keys = bits.bitwise_xor_((bits >> 31) & 0x7FFFFFFF).bitwise_left_shift_(32)
+    keys.bitwise_or_(reversed_index(width, values.device))  # [B, W]
     index = width - 1 - (keys.topk(k, dim=-1).values & 0xFFFFFFFF)  # [B, k]
     return values.gather(1, index), index
 

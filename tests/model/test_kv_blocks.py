@@ -214,6 +214,7 @@ def test_rows_sharing_their_sources_blocks_copy_only_the_partial_last_one(model)
         if length % 4:  # its own copy of the partial block
             assert cache.refs[cache.blocks_of(row)[full]] == 1 and cache.refs[cache.blocks_of(source)[full]] == 1
         keys, values = cache.read(1, cache.batch([row]), length)
-        assert torch.equal(keys[0], before[source][0][0, :, :length]) and torch.equal(values[0], before[source][1][0, :, :length])
+        source_keys, source_values = before[source]
+        assert torch.equal(keys[0], source_keys[0, :, :length]) and torch.equal(values[0], source_values[0, :, :length])
     cache.write_tokens(1, torch.tensor([2]), torch.tensor([10]), torch.zeros(1, 2, 4, model.config.head_dim))
     assert torch.equal(cache.read(1, cache.batch([0]), 12)[0], before[0][0])  # the source's block untouched
