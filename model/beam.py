@@ -53,6 +53,7 @@ import torch
 from model.gpt2 import GPT2
 from model.kv_cache import KVCache
 from model.sampling import apply_repetition_penalty
+from model.scoring import top_lowest_first
 from model.transfer import to_device
 
 # transformers marks impossible beams with this score rather than -inf, so arithmetic on them
@@ -246,6 +247,11 @@ class BeamSearch:
         # Only the first num_beams candidates may finish; the rest exist so enough keep running
         # (their scores, pushed down by NEG_SCORE, still take the set's empty places).
         just_finished = [hit and k < n for k, hit in enumerate(hits)]  # [K]
+        if not any(just_finished) and self._finished_scores[-1] >= NEG_SCORE:
+            # The usual step, nothing finished: a pushed-down score (a total is at most 0, so it
+            # is at most NEG_SCORE) passes no place of a set whose places are all at least
+            # NEG_SCORE (an empty place equal to it comes first), so the set stays as it is.
+            return
         scores = [float(np.float32(total) / divisor) if finished else float(np.float32(total) / divisor + NEG_SCORE32)
                   for total, finished in zip(top_totals, just_finished)]  # [K]
         merged_scores = self._finished_scores + scores  # [n + K]
@@ -310,19 +316,8 @@ def beam_candidates(logits: torch.Tensor, running: torch.Tensor, searches: list[
     # search's own K are the first K of the widest search's k, padding (-inf) last.
     top_totals, top_flat = top_lowest_first(totals.reshape(count, width * vocab), k)  # [R, k], [R, k]
     top_logprobs = log_probs.reshape(count, width * vocab).gather(1, top_flat)  # [R, k]
-    return torch.cat([top_totals.double(), top_logprobs.double(), top_flat.double()], dim=1)  # [R, 3k]
-
-
-def top_lowest_first(values: torch.Tensor, k: int) -> torch.Tensor:
-    """model.scoring.top_n's answer (the k largest of each row [B, W] float32, largest first,
-    equal values lowest index first) from one top-k over distinct int64 keys: each value's bits
-    made to sort as the floats do, then its index, reversed, below them."""
-    width = values.shape[-1]
-    bits = (values + 0.0).view(torch.int32)  # + 0.0: -0.0 becomes 0.0, which it equals
-    ordered = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).long()  # a negative float's other bits count down
-    keys = ordered * 2**32 + (width - 1 - torch.arange(width, device=values.device))  # [B, W]
-    index = width - 1 - torch.remainder(keys.topk(k, dim=-1).values, 2**32)  # [B, k]
-    return values.gather(1, index), index
+    out = torch.empty(count, 3 * k, dtype=torch.float64, device=logits.device)
+    return torch.cat([top_totals, top_logprobs, top_flat], dim=1, out=out)  # [R, 3k], each cast as it is copied
 
 
 def split_candidates(row: np.ndarray, candidates: int) -> tuple[list[float], list[float], list[int]]:

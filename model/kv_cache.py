@@ -251,6 +251,40 @@ class KVCache:
         self._copy_blocks(old, new)
         return True
 
+    def share_rows(self, sources: list[int], rows: list[int], lengths: list[int]) -> bool:
+        """Row rows[i] lets its blocks go and holds row sources[i]'s first lengths[i] positions
+        instead (a beam continuing another): the full blocks shared, the partial last one, which
+        the row writes into next, copied (one copy for all). No row of `rows` is a source or
+        twice there. `release` and `fork` row by row, and the copy `writable` would make, in
+        array operations.
+        False (nothing changed) when the pool may have too few free blocks for the copies."""
+        src, dst = np.asarray(sources, dtype=np.int64), np.asarray(rows, dtype=np.int64)
+        length = np.asarray(lengths, dtype=np.int64)
+        full = length // self.block_size
+        copied = (full * self.block_size < length) & (full < self.row_blocks[src])  # [R] a partial block to copy
+        if int(copied.sum()) > len(self._free_block_set):
+            return False
+        column = np.arange(self.blocks_per_row)
+        old = self.tables[dst][column < self.row_blocks[dst][:, None]]  # every block the rows held
+        shared = column < np.minimum(full, self.row_blocks[src])[:, None]  # [R, blocks]
+        tables = np.where(shared, self.tables[src], SCRATCH)
+        np.add.at(self.refs, tables[shared], 1)
+        new = [self._take_block(None) for _ in range(int(copied.sum()))]
+        tables[np.flatnonzero(copied), full[copied]] = new
+        self.tables[dst] = tables
+        self.row_blocks[dst] = np.minimum(full, self.row_blocks[src]) + copied
+        np.subtract.at(self.refs, old, 1)
+        freed = np.unique(old[self.refs[old] == 0]).tolist()
+        self._free_block_set.update(freed)
+        for block in freed:
+            heapq.heappush(self._free_blocks, block)
+        if len(self._free_blocks) > 2 * self.num_blocks:  # stale entries outnumber the pool
+            self._free_blocks = sorted(self._free_block_set)
+        self._tables_changed()
+        if new:
+            self._copy_blocks(self.tables[src[copied], full[copied]].tolist(), new)
+        return True
+
     def move_row(self, src: int, dst: int) -> None:
         """Row src's blocks become row dst's and dst's become src's: a packing move is a table
         move, no key or value is copied."""
@@ -387,5 +421,6 @@ class KVCache:
     def _copy_blocks(self, src: list[int], dst: list[int]) -> None:
         src_ids, dst_ids = to_device([src, dst], self.device)
         by_block = self.kv.view(*self.kv.shape[:3], -1, self.block_size, self.kv.shape[-1])
-        # Indexing on the right copies first, so a permutation among the same blocks is safe.
-        by_block[:, :, :, dst_ids] = by_block[:, :, :, src_ids]
+        # The source blocks are gathered first, so a permutation among the same blocks is safe;
+        # index_copy_ (dst distinct) costs the host about half an index_put on this view.
+        by_block.index_copy_(3, dst_ids, by_block.index_select(3, src_ids))

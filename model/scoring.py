@@ -37,7 +37,7 @@ def top_alternatives(logits: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.
     The sampler's rows share one call: log_softmax is a kernel per row, where logsumexp's sum
     over a lone row is split across threads and rounds differently from the same row in a batch.
     """
-    _, ids = top_n(logits, n)  # [B, n]
+    _, ids = top_lowest_first(logits, n)  # [B, n]: top_n's answer at about half its cost
     return ids, logits.log_softmax(dim=-1).gather(1, ids)
 
 
@@ -64,3 +64,32 @@ def top_n(values: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     chosen_values = values.gather(1, ids)
     order = chosen_values.sort(dim=-1, descending=True, stable=True).indices  # ties keep the lower id first
     return chosen_values.gather(1, order), ids.gather(1, order)
+
+
+def top_lowest_first(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """top_n's answer for float32 values (the k largest of each row [B, W], largest first, equal
+    values lowest index first; -0.0 equal to 0.0) from one top-k over distinct int64 keys: each
+    value's bits made to sort as the floats do, its index reversed below them. About a dozen
+    elementwise operations against top_n's twenty: the sampler runs it every step a row asks
+    for alternatives, and a beam search's candidates every step (model/beam.py)."""
+    width = values.shape[-1]
+    if k == 0:
+        return values[:, :0], torch.zeros(values.shape[0], 0, dtype=torch.long, device=values.device)
+    bits = (values + 0.0).view(torch.int32).long()  # + 0.0: -0.0 becomes 0.0, which it equals
+    # A negative float's other bits count down: flipped, every value's bits order as the floats.
+    keys = bits.bitwise_xor_((bits >> 31) & 0x7FFFFFFF).bitwise_left_shift_(32)
+    keys.bitwise_or_(reversed_index(width, values.device))  # [B, W]
+    index = width - 1 - (keys.topk(k, dim=-1).values & 0xFFFFFFFF)  # [B, k]
+    return values.gather(1, index), index
+
+
+_REVERSED: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def reversed_index(width: int, device: torch.device) -> torch.Tensor:
+    """[W] int64: W - 1 - i at i (made once per width and device: read only)."""
+    key = (width, device)
+    found = _REVERSED.get(key)
+    if found is None:
+        found = _REVERSED[key] = width - 1 - torch.arange(width, device=device)
+    return found

@@ -112,7 +112,9 @@ def launch_candidates(step_logits: torch.Tensor, groups: list[BeamRows]) -> torc
     logits = step_logits[device[0].long()]  # [R, N, V]
     # [R]: a row holding NaN or an infinity sums to one (a search reads nothing else of them).
     finite = torch.isfinite(logits.sum(dim=2)).all(dim=1)
-    return torch.cat([finite.double()[:, None], beam_candidates(logits, device[1].float(), searches)], dim=1)
+    candidates = beam_candidates(logits, device[1].float(), searches)
+    out = torch.empty(len(groups), 1 + candidates.shape[1], dtype=torch.float64, device=candidates.device)
+    return torch.cat([finite[:, None], candidates], dim=1, out=out)  # the flags cast as they are copied
 
 
 @dataclass

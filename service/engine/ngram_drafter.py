@@ -65,11 +65,16 @@ class NgramIndex:
     def _catch_up(self, tokens: list[int]) -> None:
         # An occurrence ending at `end` is usable once a token follows it (end < len(tokens)), so
         # the n-grams ending at the last token join only after it has a successor.
+        # Per n, the n-grams ending at each new position as one zip of n shifted slices (no
+        # Python per token: a new sequence indexes its whole prompt), later ends overwriting.
         low, high = self.settings.min_n, self.settings.max_n
-        for end in range(max(self.indexed + 1, low), len(tokens)):
-            for n in range(low, min(high, end) + 1):
-                self.latest[tuple(tokens[end - n : end])] = end
-        self.indexed = max(self.indexed, len(tokens) - 1)
+        start, stop = max(self.indexed + 1, low), len(tokens)
+        for n in range(low, high + 1):
+            first = max(start, n)
+            if first < stop:
+                grams = zip(*(tokens[first - n + j : stop - n + j] for j in range(n)))
+                self.latest.update(zip(grams, range(first, stop)))
+        self.indexed = max(self.indexed, stop - 1)
 
     def copy(self) -> NgramIndex:
         return NgramIndex(self.settings, dict(self.latest), self.indexed)

@@ -204,6 +204,7 @@ class Scheduler:
                 paced = [state for state in paced if id(state) not in out]
         # A block for each row whose write this step starts one, a copy of the block it writes where
         # that one is shared: most steps, no row needs either (found with array operations).
+        stepping_before = len(decode)
         rows = [(seq.slot, len(seq.token_ids) + seq.pending) for state in decode for seq in state.sequences
                 if seq.finish_reason is None]
         if rows:
@@ -216,7 +217,7 @@ class Scheduler:
                 decode, chunks, deferred = self._grow(decode, chunks, slots[growing], written[growing])
                 if deferred:  # out of blocks, their tokens in flight: preempted next step if still short
                     sitting_out = sitting_out + deferred
-        if paced:  # a drafter preempted by _grow drafts nothing
+        if paced and len(decode) < stepping_before:  # a drafter preempted by _grow drafts nothing
             stepping = {id(state) for state in decode}
             paced = [state for state in paced if id(state) in stepping]
         admitted = self._admit(now, budget, chunks) if waiting else []
@@ -240,7 +241,7 @@ class Scheduler:
             # count, not a pass over the rows), those sitting this step out too (they run the next).
             plan.drafted = propose(paced, self.speculative, self.cache.slots_used + plan.prefill_tokens)
             if plan.drafted:
-                self.room.grow_drafts(decode)  # a draft with no room left is cut, perhaps to nothing
+                self.room.grow_drafts(paced)  # a draft with no room left is cut, perhaps to nothing
                 plan.drafted = [seq for seq in plan.drafted if seq.draft]
         return plan
 
@@ -416,13 +417,19 @@ class Scheduler:
         """The beam searches' steps from the candidates read with the launched step: the moves
         they ask of the next plan, the searches done, those failed (each alone)."""
         outcome = advance_beam_requests(launched.beams)
-        # A beam continuing another's beam on a row of its own takes that beam's blocks, shared
-        # (copy on write when it writes the last, partial one), not copied: the next plan's rows
-        # read them, and packing moves (made before the runner sees the plan) carry the tables.
-        for move in outcome.moves:
-            for source, slot in move.copies:
-                self.cache.release(slot)
-                self.cache.fork(source, slot, move.length)
+        # A beam continuing another's beam on a row of its own takes that beam's blocks, shared,
+        # not copied: the next plan's rows read them, and packing moves (made before the runner
+        # sees the plan) carry the tables. Only the partial last block, which it writes next, is
+        # copied, now, for every beam of the step at once (where the pool is short, each row
+        # copies it as it grows instead).
+        copies = [(source, slot, move.length) for move in outcome.moves for source, slot in move.copies]
+        if copies:
+            sources, slots, lengths = map(list, zip(*copies))
+            if not self.cache.share_rows(sources, slots, lengths) and not (
+                    self.room.make_room(len(copies)) and self.cache.share_rows(sources, slots, lengths)):
+                for source, slot, length in copies:
+                    self.cache.release(slot)
+                    self.cache.fork(source, slot, length)
         self._beam_moves += outcome.moves
         for state in outcome.done:
             for seq in state.sequences:

@@ -115,14 +115,14 @@ class StepSampler:
         """[B, 2n]: the n most likely ids and their log-probs for the rows that asked (`wanted`: each
         row's count), zeros for the others: the top-n over the vocabulary runs on those rows alone.
         Both functions work row by row, so a row's alternatives do not depend on its neighbours."""
+        # float32 (joined with the float64 columns by `launch`'s cat): it holds the log-probs and
+        # every token id (below 2^24) exactly, and the ids need no conversion of their own.
         asked = [row for row, count in enumerate(wanted) if count]
         if len(asked) == len(wanted):
-            top_ids, top_logprobs = top_alternatives(step_logits.float(), n)  # [B, n], [B, n]
-            return torch.cat([top_ids.double(), top_logprobs.double()], dim=1)
+            return torch.cat(top_alternatives(step_logits.float(), n), dim=1)  # [B, n] ids, [B, n] log-probs
         index = to_device(asked, step_logits.device)
-        top_ids, top_logprobs = top_alternatives(step_logits[index].float(), n)  # [k, n], [k, n]
-        out = torch.zeros(len(wanted), 2 * n, dtype=torch.float64, device=step_logits.device)
-        out[index] = torch.cat([top_ids.double(), top_logprobs.double()], dim=1)
+        out = torch.zeros(len(wanted), 2 * n, dtype=torch.float32, device=step_logits.device)
+        out[index] = torch.cat(top_alternatives(step_logits[index].float(), n), dim=1)  # [k, 2n]
         return out
 
     def read(self, launched: LaunchedStep) -> np.ndarray:

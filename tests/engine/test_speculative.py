@@ -9,6 +9,7 @@ greedy output soon cycles, which n-gram drafts predict well: acceptance is high 
 from __future__ import annotations
 
 import math
+import random
 from dataclasses import replace
 
 import pytest
@@ -88,6 +89,23 @@ def test_the_index_grows_with_the_sequence_and_never_proposes_its_own_end():
     tokens += [1, 2]
     assert index.draft(tokens, 4) == [3, 1, 2, 3]  # past the sequence's end, round the loop again
     assert len(index.latest) == 3  # (1,2) (2,3) (3,1): one entry per token per n, once
+
+
+def test_the_index_holds_each_n_grams_latest_end_however_the_sequence_grew():
+    """Against its definition: every n-gram (min_n..max_n) that some token follows, mapped to the
+    end of its latest occurrence, whether the tokens came at once or a few at a time."""
+    generator = random.Random(5)
+    for _ in range(50):
+        settings = NgramSettings(min_n=generator.randint(1, 3), max_n=4)
+        tokens = [generator.randint(0, 5) for _ in range(generator.randint(0, 40))]
+        expected = {tuple(tokens[end - n : end]): end
+                    for end in range(len(tokens)) for n in range(settings.min_n, settings.max_n + 1) if n <= end}
+        index, grown = NgramIndex(settings), NgramIndex(settings)
+        index.draft(tokens, 1)
+        for length in range(0, len(tokens) + 1, generator.randint(1, 6)):
+            grown.draft(tokens[:length], 1)
+        grown.draft(tokens, 1)
+        assert index.latest == expected and grown.latest == expected and index.indexed == grown.indexed
 
 
 def test_a_loop_is_drafted_round_and_round():

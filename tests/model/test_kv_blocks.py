@@ -170,3 +170,51 @@ def test_forked_rows_share_blocks_until_one_writes_then_it_copies(model):
     own = cache.blocks_of(a)[2]
     assert cache.release(a) == [own] and cache.blocks_free == 8 - 3  # the two shared ones are b's now
     assert cache.release(b) and cache.blocks_free == 8
+
+
+def held_twice_or_free_wrongly(cache: KVCache) -> bool:
+    """Whether some block's count of rows holding it is wrong, or a block is both held and free."""
+    counts = torch.zeros(cache.num_blocks + 1, dtype=torch.long)
+    for row in range(cache.max_slots):
+        for block in cache.blocks_of(row):
+            counts[block] += 1
+    held = {block for block in range(1, cache.num_blocks + 1) if counts[block]}
+    return counts[1:].tolist() != cache.refs[1:].tolist() or bool(held & cache._free_block_set) \
+        or len(held) + cache.blocks_free != cache.num_blocks
+
+
+@torch.no_grad()
+def test_rows_sharing_their_sources_blocks_copy_only_the_partial_last_one(model):
+    """share_rows (a beam search's step): each row lets its blocks go and holds its source's first
+    `length` positions, its full blocks shared and the partial last one (which it writes next)
+    copied, all at once; the pool ends as release, fork and writable row by row leave it."""
+    def setup() -> KVCache:
+        cache = KVCache(model.config, max_slots=5, max_len=MAX_LEN, num_blocks=40, block_size=4)
+        rows = cache.allocate(5, tokens=0)
+        for row, tokens in zip(rows, (10, 12, 7, 9, 0)):
+            assert cache.ensure(row, tokens)
+        cache.fork(0, 4, 10)  # row 4 shares row 0's blocks, as a beam's prompt does
+        torch.manual_seed(0)
+        cache.kv.normal_()
+        return cache
+
+    sources, rows, lengths = [0, 0, 1], [2, 3, 4], [10, 10, 12]
+    cache, reference = setup(), setup()
+    before = {row: cache.read(1, cache.batch([row]), 12) for row in (0, 1)}
+    assert cache.share_rows(sources, rows, lengths)
+    for source, row, length in zip(sources, rows, lengths):
+        reference.release(row)
+        reference.fork(source, row, length)
+        assert reference.writable(row, length, length + 1)
+    assert not held_twice_or_free_wrongly(cache) and cache.blocks_free == reference.blocks_free
+    for source, row, length in zip(sources, rows, lengths):
+        full = length // 4
+        assert cache.blocks_of(row)[:full] == cache.blocks_of(source)[:full]
+        assert len(cache.blocks_of(row)) == len(reference.blocks_of(row))
+        if length % 4:  # its own copy of the partial block
+            assert cache.refs[cache.blocks_of(row)[full]] == 1 and cache.refs[cache.blocks_of(source)[full]] == 1
+        keys, values = cache.read(1, cache.batch([row]), length)
+        source_keys, source_values = before[source]
+        assert torch.equal(keys[0], source_keys[0, :, :length]) and torch.equal(values[0], source_values[0, :, :length])
+    cache.write_tokens(1, torch.tensor([2]), torch.tensor([10]), torch.zeros(1, 2, 4, model.config.head_dim))
+    assert torch.equal(cache.read(1, cache.batch([0]), 12)[0], before[0][0])  # the source's block untouched
