@@ -32,13 +32,11 @@ class BlockPool:
         self.key_of: dict[int, Hashable] = {}
         self._block_of: dict[Hashable, int] = {}
         self.evictions = 0  # cached blocks given up for a block the pool needed
+        # Blocks a row can take, cached or not: a count kept as blocks come and go, since every
+        # step reads it (the step's stats).
+        self.free_count = num_blocks
         # Told each key the pool drops (evicted or forgotten), so what is kept beside it goes too.
         self.on_drop: Callable[[Hashable], None] = lambda key: None
-
-    @property
-    def free_count(self) -> int:
-        """Blocks a row can take: free ones, cached or not."""
-        return len(self._free) + len(self._cached_free)
 
     @property
     def cached_free_count(self) -> int:
@@ -63,6 +61,7 @@ class BlockPool:
         else:
             self._free.remove(block)
         self.refs[block] = 1
+        self.free_count -= 1
         return block
 
     def hold(self, blocks: Iterable[int]) -> None:
@@ -70,6 +69,7 @@ class BlockPool:
         for block in blocks:
             if self.refs[block] == 0:
                 del self._cached_free[block]
+                self.free_count -= 1
             self.refs[block] += 1
 
     def let_go(self, blocks: list[int]) -> list[int]:
@@ -82,6 +82,7 @@ class BlockPool:
             if self.refs[block]:
                 continue
             freed.append(block)
+            self.free_count += 1
             if block in self.key_of:
                 self._cached_free[block] = None
             else:

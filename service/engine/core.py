@@ -214,7 +214,7 @@ class EngineCore:
     def _kv_stats(self) -> dict[str, int]:
         """The block pool's use and the preemptions and evictions since the last step's stats."""
         cache, scheduler = self.cache, self.scheduler
-        counts = (scheduler.preemptions, scheduler.prefix.evictions)
+        counts = (scheduler.preemptions, cache.pool.evictions)
         (preemptions, evictions), self._counted = [now - before for now, before in zip(counts, self._counted)], counts
         return {"kv_blocks_used": cache.num_blocks - cache.blocks_free, "kv_blocks_total": cache.num_blocks,
                 "preemptions": preemptions, "prefix_evictions": evictions}
