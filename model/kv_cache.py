@@ -13,11 +13,13 @@ positions past a row's length (masked, or sliced off) stay inside the pool.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from model.block_pool import BlockPool
 from model.config import GPT2Config
 from model.transfer import to_device
 
@@ -101,16 +103,15 @@ class KVCache:
         self._shared_tables = self.device.type == "cpu"  # the device copy is the host array itself
         self.device_tables = torch.from_numpy(self.tables) if self._shared_tables else to_device(self.tables, self.device)
         self._tables_stale = False
-        # Free blocks: a set, and a heap (lowest first) that may still list blocks taken out of
-        # turn (`_take_block`), skipped when popped.
-        self._free_block_set: set[int] = set(range(1, num_blocks + 1))
-        # Rows whose tables list each block: several share a forked prompt's blocks (read only;
-        # one that writes into a shared block first copies it: `writable`).
-        self.refs = np.zeros(num_blocks + 1, dtype=np.int64)
+        # Free blocks, blocks kept for the prefix they hold, and how many rows hold each:
+        # several share a prompt's blocks (read only; one that writes into a shared block first
+        # copies it: `writable`).
+        self.pool = BlockPool(num_blocks)
+        self.refs = self.pool.refs
         # Where the pool holds every row at full length, row r prefers the blocks a fixed slot r
-        # had (its home): rows running side by side then read as one view, as slots did.
+        # had (its home): rows running side by side then read as one view, as slots did. Those
+        # bytes are the row's: growing into its home, it evicts a cached block lying there.
         self.homes = num_blocks >= max_slots * self.blocks_per_row
-        self._free_blocks: list[int] = list(range(1, num_blocks + 1))
         self._views: dict[tuple[int, int, int], tuple[int, int] | None] = {}  # (first row, rows, blocks) → view
         self._views_version = 0
         self._views_at = -1
@@ -144,40 +145,26 @@ class KVCache:
             self.ensure(slot, tokens)
         return slots
 
-    def claim(self, slot: int) -> None:
-        """Take one particular free row (keeping whatever blocks it still holds)."""
-        if slot in self._used or not 0 <= slot < self.max_slots:
-            raise RuntimeError(f"slot {slot} is not free")
-        self._free.remove(slot)
-        heapq.heapify(self._free)
-        self._used.add(slot)
-        self.in_use[slot] = True
-
     @property
     def packed(self) -> bool:
         """The rows in use are 0..slots_used-1: no free row below a used one."""
         return not self._free or self._free[0] >= len(self._used)
 
-    @property
-    def free_slots(self) -> list[int]:
-        return sorted(self._free)
-
-    def free(self, slots: list[int] | int, keep_blocks: bool = False) -> None:
-        """Give rows back; their blocks too unless `keep_blocks` (a free row that keeps what it
-        cached for a later prompt: the engine's prefix cache)."""
+    def free(self, slots: list[int] | int) -> None:
+        """Give rows back, and their blocks (those registered stay cached in the pool)."""
         for slot in [slots] if isinstance(slots, int) else slots:
             if slot not in self._used:
                 raise RuntimeError(f"slot {slot} is not in use")
             self._used.remove(slot)
             self.in_use[slot] = False
             heapq.heappush(self._free, slot)
-            if not keep_blocks:
-                self.release(slot)
+            self.release(slot)
 
     # --- blocks ---------------------------------------------------------------------------------
     @property
     def blocks_free(self) -> int:
-        return len(self._free_block_set)
+        """Blocks a row can take, cached ones (evicted when taken) included."""
+        return self.pool.free_count
 
     def blocks_of(self, slot: int) -> list[int]:
         return self.tables[slot, : self.row_blocks[slot]].tolist()
@@ -190,7 +177,7 @@ class KVCache:
         needed = blocks_for(min(tokens, self.max_len), self.block_size) - int(self.row_blocks[slot])
         if needed <= 0:
             return True
-        if needed > len(self._free_block_set):
+        if needed > self.pool.free_count:
             return False
         held = int(self.row_blocks[slot])
         previous = int(self.tables[slot, held - 1]) if held else None
@@ -199,7 +186,7 @@ class KVCache:
                 wanted = 1 + slot * self.blocks_per_row + index
             else:
                 wanted = previous + 1 if previous is not None else None
-            block = self._take_block(wanted)
+            block = self.pool.take(wanted, evict_wanted=self.homes)
             self.tables[slot, index] = previous = block
         self.row_blocks[slot] = held + needed
         self._tables_changed()
@@ -207,15 +194,9 @@ class KVCache:
 
     def release(self, slot: int) -> list[int]:
         """Let go of every block the row holds; those no other row holds go back to the pool
-        (returned)."""
+        (returned), registered ones cached there."""
         held = self.blocks_of(slot)
-        self.refs[held] -= 1
-        blocks = [block for block in held if self.refs[block] == 0]
-        for block in blocks:
-            self._free_block_set.add(block)
-            heapq.heappush(self._free_blocks, block)
-        if len(self._free_blocks) > 2 * self.num_blocks:  # stale entries outnumber the pool
-            self._free_blocks = sorted(self._free_block_set)
+        blocks = self.pool.let_go(held)
         self.tables[slot] = SCRATCH
         self.row_blocks[slot] = 0
         if held:
@@ -233,6 +214,22 @@ class KVCache:
         self.refs[self.tables[src, :count]] += 1
         self._tables_changed()
 
+    def share(self, slot: int, blocks: list[int]) -> None:
+        """Row `slot` (holding no blocks) starts with these blocks, read only: cached ones
+        holding its prefix (model/block_pool.py), which it holds from now on."""
+        if self.row_blocks[slot]:
+            raise RuntimeError(f"row {slot} still holds blocks")
+        self.pool.hold(blocks)
+        self.tables[slot, : len(blocks)] = blocks
+        self.row_blocks[slot] = len(blocks)
+        self._tables_changed()
+
+    def register(self, slot: int, index: int, key: Hashable) -> None:
+        """The row's index-th block, whose positions a completed forward wrote, holds what `key`
+        names: a later row may share it."""
+        if index < self.row_blocks[slot]:
+            self.pool.register(int(self.tables[slot, index]), key)
+
     def writable(self, slot: int, start: int, end: int) -> bool:
         """Make the row's blocks holding positions [start, end) its own: a shared one is copied
         into a new block first (copy on write). False (nothing changed) when the pool has too few
@@ -241,10 +238,10 @@ class KVCache:
         shared = [index for index in range(first, last) if self.refs[self.tables[slot, index]] > 1]
         if not shared:
             return True
-        if len(shared) > len(self._free_block_set):
+        if len(shared) > self.pool.free_count:
             return False
         old = self.tables[slot, shared].tolist()
-        new = [self._take_block(None) for _ in shared]
+        new = [self.pool.take() for _ in shared]
         self.refs[old] -= 1
         self.tables[slot, shared] = new
         self._tables_changed()
@@ -291,15 +288,6 @@ class KVCache:
         self.tables[[src, dst]] = self.tables[[dst, src]]
         self.row_blocks[[src, dst]] = self.row_blocks[[dst, src]]
         self._tables_changed()
-
-    def _take_block(self, wanted: int | None) -> int:
-        if wanted is None or wanted not in self._free_block_set:
-            wanted = heapq.heappop(self._free_blocks)
-            while wanted not in self._free_block_set:  # taken out of turn earlier
-                wanted = heapq.heappop(self._free_blocks)
-        self._free_block_set.remove(wanted)
-        self.refs[wanted] = 1
-        return wanted
 
     def _tables_changed(self) -> None:
         self._views_version += 1

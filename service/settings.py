@@ -89,7 +89,7 @@ class Settings(BaseSettings):
         " while its recent acceptance pays for the row at the step's batch size; default 16 on CPU, 200 on CUDA;"
         " 1e9: always draft k",
     )
-    prefix_caching: bool = Field(True, description="keep finished sequences' keys and values; prompts reuse their longest cached prefix")
+    prefix_caching: bool = Field(True, description="keep computed KV blocks findable by their content; a prompt shares the blocks of its longest cached prefix")
     max_new_tokens: int = Field(1024, ge=1, description="largest max_new_tokens a request may ask for")
     default_max_new_tokens: int = Field(20, ge=1, description="max_new_tokens when a TGI request gives none")
     max_prompts_per_request: int = Field(16, ge=1, le=1024, description="prompts in one list-valued `inputs`")

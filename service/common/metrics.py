@@ -104,10 +104,10 @@ class Metrics:
             "gpt2_generated_tokens", "Tokens generated, over all returned sequences", registry=r
         )
         self.prefix_cache_hits = Counter(
-            "gpt2_prefix_cache_hits", "Requests admitted reusing a prefix the KV cache kept", registry=r
+            "gpt2_prefix_cache_hits", "KV blocks (16 positions) admitted prompts shared from the prefix cache", registry=r
         )
         self.prefix_cache_evictions = Counter(
-            "gpt2_prefix_cache_evictions", "Kept prefixes given up, least recently used first, to make room", registry=r
+            "gpt2_prefix_cache_evictions", "Cached KV blocks evicted, least recently freed first, to make room", registry=r
         )
         self.kv_preemptions = Counter(
             "gpt2_kv_preemptions", "Running requests sent back to the queue (recomputed later) for want of KV blocks",

@@ -1,10 +1,10 @@
 """Room in the KV cache's block pool: what admission checks, what decode takes as rows grow.
 
-The pool (model/kv_cache.py) is a memory budget in blocks; free rows that keep a finished
-sequence's prefix (prefix_cache.py) hold blocks too, and give them back least recently used
-first whenever a running or admitted sequence needs them. A request is admitted only when its
-prompt's blocks, on every one of its sequences' rows, are free or held by such rows; a decoding
-row takes a block as it crosses into one.
+The pool (model/kv_cache.py, model/block_pool.py) is a memory budget in blocks; free blocks
+that hold a cached prefix (prefix_cache.py) count as free, the pool evicting the least recently
+freed of them when a row needs one and no other is free. A request is admitted only when the
+blocks its prompt does not share, on every one of its sequences' rows, are free; a decoding row
+takes a block as it crosses into one.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from collections.abc import Iterable
 import numpy as np
 
 from model.kv_cache import KVCache, blocks_for
-from service.engine.prefix_cache import PrefixCache, PrefixMatch
+from service.engine.prefix_cache import PrefixMatch
 from service.engine.requests import RequestState
 from service.engine.row_features import uses_counts, uses_history
 from service.engine.types import GenerationRequest
@@ -22,7 +22,7 @@ from service.engine.validation import slots_needed
 
 
 class OutOfBlocks(RuntimeError):
-    """Running sequences need more blocks than the pool has, even with every kept prefix given back."""
+    """Running sequences need more blocks than the pool has, cached ones included."""
 
 
 def recomputable(state: RequestState, once_read: bool = False) -> bool:
@@ -37,9 +37,8 @@ def recomputable(state: RequestState, once_read: bool = False) -> bool:
 
 
 class BlockRoom:
-    def __init__(self, cache: KVCache, prefix: PrefixCache) -> None:
+    def __init__(self, cache: KVCache) -> None:
         self.cache = cache
-        self.prefix = prefix
 
     def check_fits(self, request: GenerationRequest) -> None:
         """Refuse a request that could never run: its sequences at full length need more blocks
@@ -57,20 +56,20 @@ class BlockRoom:
         """Whether the pool has room for the prompt on every one of the request's rows, and a
         block to spare for each of the `running` requests (so that admitting one does not make
         the next decode step preempt it at once)."""
-        adopted = match.slot if match is not None and match.adopt else None
-        return self._prompt_blocks(state, adopted) + running <= self._available(adopted)
+        shared = match.blocks if match is not None else []
+        # Shared blocks lying free in the cache stop being free once held.
+        available = self.cache.blocks_free - sum(int(self.cache.refs[block] == 0) for block in shared)
+        return self._prompt_blocks(state, len(shared)) + running <= available
 
-    def place(self, state: RequestState, slots: list[int], shared: tuple[int, int] | None = None) -> None:
+    def place(self, state: RequestState, slots: list[int], match: PrefixMatch | None = None) -> None:
         """Blocks for the prompt on an admitted request's rows (`admits` said they fit): the
         first row's, which the other samples fork once it is prefilled; every beam's, each its own
-        (a beam step reorders them by copies). `shared`: (a running row, positions) whose blocks
-        the first row shares for its reused prefix (the partial last one copied when written)."""
+        (a beam step reorders them by copies). The first row starts with the cached blocks
+        `match` found, shared."""
         beams = state.params.num_beams > 1  # (its search starts after this)
         rows = slots if beams else slots[:1]
-        if shared is not None:
-            self.cache.fork(shared[0], slots[0], shared[1])
-        needed = sum(self._missing(slot, state.prompt_length) for slot in rows)
-        self.make_room(needed + len(rows))
+        if match is not None:
+            self.cache.share(slots[0], match.blocks)
         for slot in rows:
             if not self.cache.ensure(slot, state.prompt_length):
                 raise OutOfBlocks(f"no blocks for the prompt of {state.request.request_id}")
@@ -100,42 +99,21 @@ class BlockRoom:
 
     def writable(self, slot: int, start: int, end: int) -> None:
         """The row's blocks for positions [start, end) its own (copy on write), before it writes them."""
-        if self.cache.writable(slot, start, end):
-            return
-        self.make_room(blocks_for(end - start, self.cache.block_size) + 1)
         if not self.cache.writable(slot, start, end):
             raise OutOfBlocks(f"the KV cache has no free block to copy row {slot}'s shared blocks into")
 
-    def make_room(self, blocks: int) -> bool:
-        """Give back kept prefixes, least recently used first, until `blocks` blocks are free."""
-        for slot in self.prefix.least_recently_used():
-            if self.cache.blocks_free >= blocks:
-                break
-            self.prefix.evict(slot)
-        return self.cache.blocks_free >= blocks
-
     def _ensure(self, slot: int, tokens: int, required: bool = True) -> bool:
-        if self.cache.ensure(slot, tokens):
-            return True
-        self.make_room(self._missing(slot, tokens))
         if self.cache.ensure(slot, tokens):
             return True
         if required:
             raise OutOfBlocks(f"the KV cache has no free block for row {slot} at {tokens} tokens")
         return False
 
-    def _missing(self, slot: int, tokens: int) -> int:
-        return max(0, blocks_for(tokens, self.cache.block_size) - int(self.cache.row_blocks[slot]))
-
-    def _prompt_blocks(self, state: RequestState, adopted: int | None) -> int:
-        """The prompt's blocks: once, its samples sharing them and each taking one of its own
-        for its first token; on every row for a beam search."""
+    def _prompt_blocks(self, state: RequestState, shared: int) -> int:
+        """The prompt's new blocks (`shared`: how many its first row shares from the cache):
+        once, its samples sharing them and each taking one of its own for its first token; on
+        every row for a beam search (each beam a copy of its own)."""
         per_row = blocks_for(state.prompt_length, self.cache.block_size)
-        held = min(int(self.cache.row_blocks[adopted]), per_row) if adopted is not None else 0
         if state.params.num_beams > 1:
-            return state.slots_needed * per_row - held
-        return per_row - held + state.slots_needed - 1
-
-    def _available(self, adopted: int | None) -> int:
-        kept = sum(int(self.cache.row_blocks[slot]) for slot in self.prefix.retained if slot != adopted)
-        return self.cache.blocks_free + kept
+            return state.slots_needed * per_row
+        return per_row - shared + state.slots_needed - 1

@@ -63,7 +63,7 @@ class EngineConfig:
     # Prompt tokens one step prefills; a longer prompt is prefilled
     # in chunks of at most this many, between the decode steps of the running sequences.
     max_prefill_tokens: int = 512
-    # Keep what finished sequences cached; a prompt reuses its longest cached prefix.
+    # Keep computed blocks findable by their content; a prompt shares its longest cached prefix.
     prefix_caching: bool = True
     # Decode with static shapes (graphs.py): captured as CUDA graphs on a GPU, run eagerly
     # elsewhere (tests prove the static path's tokens on the CPU).
@@ -169,7 +169,7 @@ class EngineCore:
             plan = scheduler.schedule(started, runner.exhausted() if previous is not None else [], previous is not None)
             results.done += [scheduler.finish(state) for state in plan.cancelled]
             prefill_tokens, cached_tokens = plan.prefill_tokens, plan.cached_tokens
-            prefix_hits = sum(1 for state in plan.admitted if state.reused)
+            prefix_hits = cached_tokens // self.cache.block_size  # blocks: reuse is whole blocks
             if plan.beams:  # one output token per step each beam
                 results.decode_output_tokens += sum(len(s.live) for s in plan.decode if s.beam is not None)
             runner.prepare(plan)
@@ -223,10 +223,9 @@ class EngineCore:
     def _kv_stats(self) -> dict[str, int]:
         """The block pool's use and the preemptions and evictions since the last step's stats."""
         cache, scheduler = self.cache, self.scheduler
-        counts = (scheduler.preemptions, scheduler.prefix.evictions)
+        counts = (scheduler.preemptions, cache.pool.evictions)
         (preemptions, evictions), self._counted = [now - before for now, before in zip(counts, self._counted)], counts
-        kept = sum(int(cache.row_blocks[slot]) for slot in scheduler.prefix.retained)
-        return {"kv_blocks_used": cache.num_blocks - cache.blocks_free - kept, "kv_blocks_total": cache.num_blocks,
+        return {"kv_blocks_used": cache.num_blocks - cache.blocks_free, "kv_blocks_total": cache.num_blocks,
                 "preemptions": preemptions, "prefix_evictions": evictions}
 
     def free_unloaded_adapters(self) -> None:

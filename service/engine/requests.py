@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 from model.lora import BASE
 from service.engine.draft_policy import DraftAcceptance
 from service.engine.ngram_drafter import NgramIndex
-from service.engine.prefix_cache import ScoredPrefix
 from service.engine.types import FinishReason, GenerationRequest, PromptScores, SamplingParams
 from service.engine.validation import slots_needed
 
@@ -27,8 +26,10 @@ class Sequence:
     prompt_length: int
     finish_reason: FinishReason | None = None
     # Leading token_ids whose keys and values the slot holds, written by completed forwards:
-    # what the prefix cache may keep when the sequence leaves. All but the last once decoding.
+    # what the prefix cache may register. All but the last once decoding.
     cached: int = 0
+    # The prefix cache's keys of its leading full blocks, as far as it registered them.
+    block_keys: list[bytes] = field(default_factory=list)
     drafter: NgramIndex | None = None  # speculative decoding's n-gram index of token_ids
     draft: list[int] = field(default_factory=list)  # this step's drafted tokens
     acceptance: DraftAcceptance = field(default_factory=DraftAcceptance)  # how its drafts fared
@@ -99,13 +100,6 @@ class RequestState:
     @property
     def prefilling(self) -> bool:
         return self.prefilled < self.prompt_length
-
-    @property
-    def scored_prefix(self) -> ScoredPrefix | None:
-        """The prompt scores computed so far, for a later prompt reusing this one's prefix."""
-        if self.prompt_scores is None:
-            return None
-        return ScoredPrefix(self.prompt_scores, self.params.top_logprobs)
 
     @property
     def score_alternatives(self) -> int | None:

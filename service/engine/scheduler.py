@@ -1,5 +1,5 @@
 """Which sequences run each step, and what becomes of them: the waiting queue, admission into
-KV-cache slots (reusing cached prefixes) with each admitted request's sequences, prompt chunks
+KV-cache slots (sharing cached prefix blocks) with each admitted request's sequences, prompt chunks
 within the step's prefill budget, cancellation, packing (`schedule`: one StepPlan down to the
 model runner), then the step's tokens appended, stops checked and requests finished or failed
 (`update_from_output`: the launched step read, one StepResults up). Nothing here runs the model.
@@ -46,8 +46,8 @@ from service.engine.types import (
 log = logging.getLogger(__name__)
 
 
-# A prompt sharing at least this many more tokens with a prompt still being prefilled than
-# with anything cached waits for it (a step or a few) rather than computing them again.
+# A prompt that would share at least this many more tokens with a prompt still being prefilled
+# than with anything cached waits for it (a step or a few) rather than computing them again.
 SHARED_PREFIX_WORTH_WAITING = 32
 BY_SLOT = attrgetter("slot")
 # Spreads the seeds of a request's several sampled sequences (2^64 / golden ratio).
@@ -97,8 +97,8 @@ class Scheduler:
         self._beam_moves: list[BeamMove] = []  # what the beam searches read ask of the next plan
         self.max_waiting = max_waiting
         self.max_prefill_tokens = max_prefill_tokens
-        self.prefix = PrefixCache(prefix_caching, release=cache.release)
-        self.room = BlockRoom(cache, self.prefix)
+        self.prefix = PrefixCache(prefix_caching, cache)
+        self.room = BlockRoom(cache)
         # Kept up to date as requests come and go (_place, leave), so that neither a step nor an
         # admission asks every running request: the running requests in admission order, those
         # among them that need the host's tokens before each step (RequestState.host_paced), and
@@ -227,10 +227,12 @@ class Scheduler:
             first = state.sequences[0]
             self.room.writable(first.slot, chunk.start, chunk.end)  # blocks it shares are copied first
             state.prefilled = first.cached = chunk.end
+            self.prefix.register(first, chunk.end)  # others may share its full blocks from the next step
             if chunk.completes and state.beam is None:  # the others share the prompt's blocks
                 for seq in state.sequences[1:]:
                     self.cache.fork(first.slot, seq.slot, chunk.end)
                     seq.cached = len(seq.token_ids)
+                    seq.block_keys = list(first.block_keys)
         beam_moves, self._beam_moves = self._beam_moves, []
         plan = StepPlan(chunks, decode, cancelled, moves, [chunk.state for chunk in chunks if chunk.completes],
                         sum(chunk.end - chunk.start for chunk in chunks), sum(s.reused for s in admitted), admitted,
@@ -261,38 +263,38 @@ class Scheduler:
                         break  # first come, first served: nobody overtakes another for slots
                     if not self._grammar_ready(state):  # compiling off the step loop: the others go on
                         continue
-                    prompt = state.request.prompt_ids
                     match = None
-                    if self.prefix.enabled and not state.resumed:  # without the cache, nothing is reused or worth waiting for
-                        adapter = state.adapter
-                        match = self.prefix.best_match(prompt, state.score_alternatives,
-                                                       self._running_prefixes(prompt[0], adapter), adapter)
-                        if self._worth_waiting(state, match.length if match else 0):
+                    if self.prefix.enabled:  # without the cache, nothing is reused or worth waiting for
+                        match = self._match(state)
+                        if not state.resumed and self._worth_waiting(state, match.length if match else 0):
                             continue
                     reused = match.length if match else 0
                     if not self.room.admits(state, match, len(self.running)):
                         break  # nor for blocks
-                    size = budget.take(state.prompt_length - reused)
-                    if not size:
+                    # (A preempted sequence whose every block was found has nothing to prefill.)
+                    remaining = state.prompt_length - reused
+                    size = budget.take(remaining) if remaining else 0
+                    if remaining and not size:
                         break
                     admitted.append(state)
                     self._place(state, match, now)
-                    chunks.append(PrefillChunk(state, reused, reused + size))
+                    if size:
+                        chunks.append(PrefillChunk(state, reused, reused + size))
             finally:  # also when starting one failed: those admitted before it are running
                 taken = {id(state) for state in admitted}
                 self._waiting = deque(k for s in self._waiting if (k := [x for x in s if id(x) not in taken]))
                 self.waiting_count -= len(admitted)
         return admitted
 
-    def _running_prefixes(self, first_token: int, adapter: int) -> list[tuple[Sequence, list[int], int, ScoredPrefix | None]]:
-        """Running sequences' cached tokens starting with `first_token`, computed with `adapter`
-        (no other can share a prefix)."""
-        return [
-            (seq, seq.token_ids, seq.cached, state.scored_prefix)
-            for state in self._by_first_token.get(first_token, ())
-            for seq in state.sequences
-            if seq.cached and seq.finish_reason is None and seq.adapter == adapter
-        ]
+    def _match(self, state: RequestState) -> PrefixMatch | None:
+        """The cached blocks an admission shares: of its prompt, or of a preempted sequence's
+        tokens to recompute."""
+        tokens = state.sequences[0].token_ids[: state.prompt_length] if state.resumed else state.request.prompt_ids
+        alternatives = state.score_alternatives
+        if alternatives is not None:  # scores the running prompts sharing its first token computed since
+            for other in self._by_first_token.get(tokens[0], ()):
+                self.prefix.keep_scores(other)
+        return self.prefix.match(tokens, alternatives, state.adapter, samples=not state.resumed)
 
     def _worth_waiting(self, state: RequestState, reused: int) -> bool:
         prompt, wanted = state.request.prompt_ids, state.score_alternatives
@@ -304,28 +306,21 @@ class Scheduler:
             if wanted is not None and (not other.params.prompt_logprobs or other.params.top_logprobs < wanted):
                 continue  # its scores could not be reused anyway
             shared = min(common_prefix_length(prompt, other.request.prompt_ids), len(prompt) - 1)
+            shared -= shared % self.cache.block_size  # whole blocks are shared
             if shared - reused >= SHARED_PREFIX_WORTH_WAITING:
                 return True
         return False
 
     def _place(self, state: RequestState, match: PrefixMatch | None, now: float) -> None:
-        """Give an admitted request its slots, the first one holding the reused prefix: a kept
-        one's blocks in place, or a running sequence's, shared."""
+        """Give an admitted request its slots, the first one starting with the cached blocks it
+        shares."""
         state.scheduled_time = now
-        free = self.cache.free_slots
-        if match is not None and match.adopt:
-            others = self.prefix.eviction_order([slot for slot in free if slot != match.slot], state.slots_needed - 1)
-            slots = [match.slot, *others]
-        else:
-            slots = self.prefix.eviction_order(free, state.slots_needed)
-        for slot in slots:
-            self.cache.claim(slot)
-            if match is None or slot != match.slot:
-                self.prefix.evictions += slot in self.prefix.retained
-                self.cache.release(slot)  # what it kept is overwritten
-            self.prefix.drop(slot)
-        shared = (match.source.slot, match.length) if match is not None and not match.adopt else None
-        self.room.place(state, slots, shared)  # blocks for the prompt
+        slots = self.cache.allocate(state.slots_needed, tokens=0)
+        try:
+            self.room.place(state, slots, match)  # blocks for the prompt
+        except Exception:
+            self.cache.free(slots)
+            raise
         # Running before it starts: if starting it fails, the step's failure handling reports it.
         self.running.append(state)
         try:
@@ -339,11 +334,12 @@ class Scheduler:
         self.host_paced_running += state.host_paced
         self.beams_running += state.beam is not None
         self._by_first_token.setdefault(state.request.prompt_ids[0], []).append(state)
+        first = state.sequences[0]
+        first.block_keys = list(match.keys) if match is not None else []
         if match is None:
             return
-        state.prefilled = state.reused = match.length
+        state.prefilled = state.reused = first.cached = match.length
         state.prompt_scores = match.scores
-        state.sequences[0].cached = match.length
 
     def _new_sequences(self, state: RequestState, slots: list[int]) -> list[Sequence]:
         """An admitted request's sequences on its slots: seeds, beam search, drafter, grammar."""
@@ -466,13 +462,19 @@ class Scheduler:
             self.release_sequence(seq, "cancelled", state)
 
     def release_sequence(self, seq: Sequence, reason: FinishReason, state: RequestState) -> None:
-        """The sequence ends; its slot keeps what it cached for prompts that share it."""
+        """The sequence ends; its blocks stay cached for prompts that share them."""
         seq.finish_reason = reason
         self.releases += 1
-        self.cache.free(seq.slot, keep_blocks=True)
-        self.prefix.keep(seq.slot, seq.token_ids[: seq.cached], state.scored_prefix, seq.adapter)
-        if seq.slot not in self.prefix.retained:  # nothing kept: its blocks go back to the pool
-            self.cache.release(seq.slot)
+        self._keep(seq, state)
+        self.cache.free(seq.slot)
+
+    def _keep(self, seq: Sequence, state: RequestState) -> None:
+        """Register what a leaving sequence computed (a beam's rows hold other beams' tokens by
+        now: only the prompt's blocks, registered as it was prefilled, count), and its scores."""
+        if state.beam is None:
+            self.prefix.register(seq, seq.cached)
+        if state.prompt_scores is not None and seq.index == 0:
+            self.prefix.keep_scores(state)
 
     def end_failed(self, state: RequestState, scrub: bool = False) -> None:
         """A request failed (faults.py): its live sequences leave now, and their slots keep
@@ -483,14 +485,14 @@ class Scheduler:
         for seq in freed:
             seq.finish_reason = "error"
             self.releases += 1
-            # Zeroed as they go back to the pool, before this step's plan can give them to a row
-            # (a copy on write into one would otherwise be wiped later); queued after the step in
-            # flight on the device, which may still write them.
+            # Not to be found again, and zeroed as they go back to the pool, before this step's
+            # plan can give them to a row (a copy on write into one would otherwise be wiped
+            # later); queued after the step in flight on the device, which may still write them.
+            self.prefix.forget_blocks(self.cache.blocks_of(seq.slot))
             blocks = self.cache.release(seq.slot)  # those no other row holds
             if scrub:
                 self.cache.scrub(blocks)
             self.cache.free(seq.slot)
-            self.prefix.drop(seq.slot)
 
     def adapter_in_use(self, adapter: int) -> bool:
         """Whether a running or waiting request uses the adapter."""
@@ -578,6 +580,7 @@ class Scheduler:
         its prompt and the tokens it generated (all but the last, which its next decode feeds),
         samples nothing there, and decodes on."""
         [seq] = state.sequences
+        self._keep(seq, state)  # what its recompute will find
         self.cache.free(seq.slot)
         self.leave([state])
         if len(seq.token_ids) > len(state.request.prompt_ids):
@@ -592,8 +595,7 @@ class Scheduler:
     def _pack(self) -> list[tuple[int, int, int, bool]]:
         """Move sequences from the highest slots into holes below, so the batch stays one span.
 
-        A move is a block-table move (KVCache.move_row): no key or value is copied. A hole that
-        holds a retained prefix swaps it into the slot the sequence left, so packing evicts nothing.
+        A move is a block-table move (KVCache.move_row): no key or value is copied.
         """
         moves = []
         live = sorted((seq for state in self.running for seq in state.live), key=BY_SLOT)
@@ -601,9 +603,8 @@ class Scheduler:
             seq = live.pop()
             target = self.cache.allocate(1, tokens=0)[0]  # the lowest free slot, below seq.slot
             self.cache.move_row(seq.slot, target)
-            self.cache.free(seq.slot, keep_blocks=True)  # what target retained, if anything
+            self.cache.free(seq.slot)  # holding the free target's blocks: none
             moves.append((seq.slot, target))  # for the input batch: the tables moved here
-            self.prefix.move(target, seq.slot)
             seq.slot = target
             live.insert(0, seq)
             live.sort(key=BY_SLOT)

@@ -232,8 +232,8 @@ class StepStats:
     # The KV cache's block pool (model/kv_cache.py): blocks running rows hold, of all.
     kv_blocks_used: int = 0
     kv_blocks_total: int = 0
-    prefix_hits: int = 0  # requests admitted this step reusing a cached prefix
-    prefix_evictions: int = 0  # cached prefixes given up this step to make room
+    prefix_hits: int = 0  # cached KV blocks the requests admitted this step shared
+    prefix_evictions: int = 0  # cached KV blocks evicted this step to make room
     preemptions: int = 0  # running requests sent back to the queue this step for want of blocks
 
     @property

@@ -1,6 +1,6 @@
 """The KV cache's memory budget through the engine: max_slots bounds the sequences running, the
 budget (blocks) their tokens. More short streams than full-length slots decode together; a prompt
-waits for blocks; kept prefixes give their blocks back; every token as with the default cache."""
+waits for blocks; cached blocks are evicted least recently freed first; every token as with the default cache."""
 
 from __future__ import annotations
 
@@ -50,20 +50,25 @@ def test_a_prompt_waits_for_blocks_and_runs_when_they_free(make_engine):
     assert ours == tokens(make_engine(max_slots=8, prefix_caching=False).generate(streams(5, 100, 10, seed=10)))
 
 
-def test_kept_prefixes_give_their_blocks_back_least_recently_used_first(make_engine):
-    engine = make_engine(max_slots=8, kv_cache_sequences=2)
+def test_cached_blocks_are_evicted_only_under_pressure_least_recently_freed_first(make_engine):
+    engine = make_engine(max_slots=8, kv_cache_sequences=2)  # 16 blocks
     prompts = [random_prompt(60, seed=70 + i) for i in range(3)]
-    for i, prompt in enumerate(prompts):  # each kept: 4 blocks; the pool holds 16
+    for i, prompt in enumerate(prompts):  # each leaves 3 full blocks cached, its 4th free
         engine.submit([make_request(prompt, request_id=f"k{i}", max_new_tokens=2)])
         run_until_idle(engine)
-    kept = engine.scheduler.prefix.retained
-    assert len(kept) == 3 and engine.cache.blocks_free == 16 - 3 * 4
-    # A prompt of 100 tokens needs 7 blocks: the least recently used prefix (k0) gives its 4 back.
-    ours, _ = run_recording(engine, [make_request(random_prompt(100, seed=99), request_id="big", max_new_tokens=4)])
-    remaining = sorted(kept_row.tokens[0] for kept_row in engine.scheduler.prefix.retained.values())
-    assert prompts[0][0] not in remaining and {prompts[1][0], prompts[2][0]} <= set(remaining)
+    pool = engine.cache.pool
+    assert (pool.cached_free_count, engine.cache.blocks_free) == (9, 16)
+    # A prompt of 20 tokens (2 blocks) finds 7 uncached blocks free: nothing is evicted.
+    run_recording(engine, [make_request(random_prompt(20, seed=98), request_id="small", max_new_tokens=2)])
+    assert pool.evictions == 0 and pool.cached_free_count == 10  # (its own first block, cached)
+    # 120 + 4 tokens need 8 blocks: 6 uncached free, so the two least recently freed cached
+    # ones go: k0's last two full blocks (a sequence's last blocks are freed first).
+    ours, _ = run_recording(engine, [make_request(random_prompt(120, seed=99), request_id="big", max_new_tokens=4)])
+    assert pool.evictions == 2
+    hits = [engine.scheduler.prefix.match(prompt, None) for prompt in prompts]
+    assert [match.length for match in hits] == [16, 48, 48]
     cold = make_engine(max_slots=8, prefix_caching=False).generate(
-        [make_request(random_prompt(100, seed=99), request_id="big", max_new_tokens=4)])
+        [make_request(random_prompt(120, seed=99), request_id="big", max_new_tokens=4)])
     assert ours == tokens(cold)
 
 
@@ -103,15 +108,15 @@ def test_samples_of_one_prompt_share_its_blocks_and_draw_as_requests_alone(make_
 
 
 def test_a_prompt_extending_a_running_sequence_shares_its_full_blocks(make_engine):
-    """No copy of a running sequence's prefix: the full blocks are shared, the partial one is
-    copied by whoever writes into it first (the new prompt's rest, the stream's next token)."""
+    """No copy of a running sequence's prefix: its full blocks are shared, registered as it was
+    prefilled; the new prompt computes the rest in a block of its own."""
     context = random_prompt(40, seed=41)  # blocks 0 and 1 full, block 2 partly
     engine = make_engine(max_slots=8)
     engine.submit([make_request(context, request_id="stream", max_new_tokens=20)])
     for _ in range(3):
         engine.step()
     engine.submit([make_request(context + [5, 6], request_id="extends", max_new_tokens=6)])
-    assert engine.step().stats.cached_prompt_tokens == 40
+    assert engine.step().stats.cached_prompt_tokens == 32
     stream, extends = engine.scheduler.running
     ours, theirs = (engine.cache.blocks_of(s.sequences[0].slot) for s in (stream, extends))
     assert ours[:2] == theirs[:2] and ours[2] != theirs[2]

@@ -90,9 +90,11 @@ def test_a_prompt_reuses_only_keys_its_own_adapter_computed(make_engine, adapter
     engine = adapted_engine(make_engine, adapter_dirs)
     base, adapted = make_request(prompt, max_new_tokens=4), make_request(prompt, max_new_tokens=4)
     adapted.adapter = "poems"
-    engine.generate([base])  # the base's keys of this prompt are now cached
-    [reused] = engine.generate([adapted])
-    assert engine.scheduler.prefix.enabled
+    engine.generate([base])  # the base's keys of this prompt's first block are now cached
+    engine.submit([adapted])
+    engine.step()
+    assert engine.scheduler.prefix.enabled and engine.scheduler.running[0].reused == 0
+    [reused] = run_until_idle(engine)
     fresh = make_request(prompt, max_new_tokens=4)
     fresh.adapter = "poems"
     [alone] = adapted_engine(make_engine, adapter_dirs).generate([fresh])
@@ -105,7 +107,8 @@ def test_a_prompt_reuses_only_keys_its_own_adapter_computed(make_engine, adapter
 
 
 def test_unloading_while_requests_run_loses_nothing(make_engine, adapter_dirs):
-    entries = [("poems", 20 + i, 6, dict(max_new_tokens=12, do_sample=True, seed=i)) for i in range(3)]
+    # Prompts of a full block and more, which the prefix cache keeps.
+    entries = [("poems", 20 + i, 20, dict(max_new_tokens=12, do_sample=True, seed=i)) for i in range(3)]
     expected = {f.request_id: outcome(f) for f in adapted_engine(make_engine, adapter_dirs).generate(adapted_requests(entries))}
     engine = adapted_engine(make_engine, adapter_dirs)
     engine.submit(adapted_requests(entries))
@@ -125,10 +128,10 @@ def test_unloading_while_requests_run_loses_nothing(make_engine, adapter_dirs):
     assert "poems" not in engine.core.adapters.set
     # Loaded again (another adapter under its old index): nothing of the old one is reused.
     engine.core.adapters.load("other", str(adapter_dirs["comedies"]))
-    request = make_request(random_prompt(6, 20), max_new_tokens=5)
+    request = make_request(random_prompt(20, 20), max_new_tokens=5)
     request.adapter = "other"
     [reloaded] = engine.generate([request])
-    fresh = make_request(random_prompt(6, 20), max_new_tokens=5)
+    fresh = make_request(random_prompt(20, 20), max_new_tokens=5)
     fresh.adapter = "comedies"
     [alone] = adapted_engine(make_engine, adapter_dirs).generate([fresh])
     assert outcome(reloaded) == outcome(alone)

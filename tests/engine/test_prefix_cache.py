@@ -8,11 +8,16 @@ the reuse or the chunks really happened (so a test cannot pass by never reusing 
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 import torch
 
-from service.engine.prefix_cache import PrefixCache, ScoredPrefix, common_prefix_length, reusable_length
-from service.engine.types import PromptScores
+from model.block_pool import BlockPool
+from model.kv_cache import BLOCK_SIZE
+from model.lora import BASE
+from service.engine import faults
+from service.engine.prefix_cache import ROOT, block_key, common_prefix_length
 from tests.engine.conftest import hf_generate, make_request, random_prompt, run_until_idle
 
 TOLERANCE = 1e-5  # float32: the same arithmetic over a different split of the positions
@@ -61,32 +66,40 @@ def cached_tokens(engine, request) -> int:
     return reused
 
 
-# --- the matching rules ---------------------------------------------------------------------------
+# --- the keys and the pool ------------------------------------------------------------------------
 def test_common_prefix_length():
     assert common_prefix_length([1, 2, 3, 4], [1, 2, 9]) == 2
     assert common_prefix_length([1, 2], [1, 2, 3]) == 2
     assert common_prefix_length([5], [6]) == 0
     assert common_prefix_length(list(range(1000)), list(range(999)) + [0]) == 999
-    assert common_prefix_length([1, 2, 3], [1, 2, 3], limit=2) == 2  # a slot holding only two of them
 
 
-def test_reusable_length_always_recomputes_the_last_prompt_token():
-    prompt = [1, 2, 3, 4]
-    assert reusable_length(prompt, [1, 2, 3, 4, 5, 6], None, None) == 3  # its logits pick token one
-    assert reusable_length(prompt, [1, 2, 9], None, None) == 2
-    scores = PromptScores([None, -1.0, -2.0], [None, 1, 2], [None, [], []])  # tokens 1 and 2 scored
-    # Scoring needs prompt[i]'s kept score for every reused i, and enough alternatives.
-    assert reusable_length(prompt, [1, 2, 3, 4], ScoredPrefix(scores, 0), 0) == 2
-    assert reusable_length(prompt, [1, 2, 3, 4], ScoredPrefix(scores, 0), 2) == 0
-    assert reusable_length(prompt, [1, 2, 3, 4], None, 0) == 0
+def test_a_block_key_names_its_tokens_everything_before_them_and_the_adapter():
+    tokens = list(range(16))
+    key = block_key(ROOT, tokens, BASE)
+    assert key == block_key(ROOT, list(tokens), BASE)
+    assert key != block_key(ROOT, tokens[:15] + [99], BASE)
+    assert key != block_key(ROOT, tokens, 0)  # an adapter's keys and values differ
+    # The same 16 tokens after different prefixes: different keys.
+    assert block_key(key, tokens, BASE) != block_key(block_key(ROOT, [7] * 16, BASE), tokens, BASE)
 
 
-def test_eviction_prefers_empty_slots_then_the_least_recently_used():
-    cache = PrefixCache(enabled=True)
-    cache.keep(3, [1, 2], None)
-    cache.keep(1, [4, 5], None)
-    assert cache.eviction_order([0, 1, 2, 3]) == [0, 2, 3, 1]
-    assert PrefixCache(enabled=False).best_match([1, 2, 3], None, []) is None
+def test_free_cached_blocks_are_evicted_least_recently_freed_first_only_under_pressure():
+    pool = BlockPool(4)
+    first, second, third = (pool.take() for _ in range(3))
+    for block, key in zip((first, second, third), "abc"):
+        pool.register(block, key)
+    pool.let_go([first])
+    pool.let_go([second, third])  # a sequence's blocks: its last one is the sooner evicted
+    assert pool.free_count == 4 and pool.cached_free_count == 3
+    assert pool.take() == 4 and pool.evictions == 0  # an uncached free block first
+    pool.hold([second])  # shared again: no longer free
+    assert [pool.take(), pool.take()] == [first, third] and pool.evictions == 2
+    assert (pool.lookup("a"), pool.lookup("b"), pool.lookup("c")) == (None, second, None)
+    assert pool.free_count == 0
+    pool.let_go([second])
+    pool.forget([second])  # a failed sequence's: plainly free, found no more
+    assert pool.lookup("b") is None and pool.cached_free_count == 0 and pool.free_count == 1
 
 
 # --- exactness through the engine ----------------------------------------------------------------
@@ -96,7 +109,7 @@ def test_a_prompt_extending_a_finished_one_reuses_it_and_decodes_the_same(make_e
     engine = make_engine()
     run(engine, [first])
     second = make_request(follow_up, request_id="second", max_new_tokens=8)
-    assert cached_tokens(engine, second) == len(CONTEXT)
+    assert cached_tokens(engine, second) == 32  # the context's full blocks (the first's 46 tokens: 2)
     [result] = run(engine, [make_request(follow_up, request_id="third", max_new_tokens=8)]).values()
     assert result.sequences[0].token_ids == hf_generate(hf_model, follow_up, 8)
     warm = run(make_engine(), [first, make_request(follow_up, request_id="second", max_new_tokens=8)])
@@ -104,12 +117,48 @@ def test_a_prompt_extending_a_finished_one_reuses_it_and_decodes_the_same(make_e
     assert_same(warm, cold)
 
 
-def test_a_repeated_prompt_computes_only_its_last_token(make_engine):
+@pytest.mark.parametrize("length", [40, 48])
+def test_a_repeated_prompt_computes_only_its_last_partial_block(make_engine, length):
+    """Whole blocks are shared, and the last token is always computed: a prompt of 40 tokens
+    computes 8 again, one of 48 (three full blocks) its last block's 16."""
+    prompt = random_prompt(length, seed=length)
     engine = make_engine()
-    run(engine, [make_request(CONTEXT, max_new_tokens=3)])
-    engine.submit([make_request(CONTEXT, request_id="again", max_new_tokens=3)])
+    run(engine, [make_request(prompt, max_new_tokens=3)])
+    engine.submit([make_request(prompt, request_id="again", max_new_tokens=3)])
     first_step = engine.step().stats
-    assert (first_step.prefill_tokens, first_step.cached_prompt_tokens) == (1, len(CONTEXT) - 1)
+    shared = (length - 1) // BLOCK_SIZE * BLOCK_SIZE
+    assert (first_step.prefill_tokens, first_step.cached_prompt_tokens) == (length - shared, shared)
+    assert first_step.prefix_hits == shared // BLOCK_SIZE
+
+
+def assert_counted(cache) -> None:
+    """Each block's refcount is the number of rows listing it; the free blocks are the others."""
+    held = Counter(block for row in range(cache.max_slots) if cache.in_use[row] for block in cache.blocks_of(row))
+    assert all(cache.refs[block] == count for block, count in held.items())
+    assert cache.blocks_free == cache.num_blocks - len(held) and int(cache.refs.sum()) == sum(held.values())
+
+
+def test_concurrent_requests_sharing_a_long_prefix_hold_one_copy_of_its_blocks(make_engine):
+    shared = random_prompt(96, seed=96)  # six full blocks
+    requests = lambda: [  # noqa: E731
+        make_request(shared + random_prompt(5, seed=s), request_id=f"r{s}", max_new_tokens=8) for s in range(3)]
+    engine = make_engine(max_slots=4)
+    engine.submit(requests())
+    computed, together, results = 0, 0, {}
+    while engine.has_work():
+        output = engine.step()
+        computed += output.stats.prefill_tokens
+        results.update((f.request_id, f) for f in output.finished)
+        assert_counted(engine.cache)  # (one finishing lets go of the prefix; the others still hold it)
+        running = [state for state in engine.scheduler.running if not state.prefilling]
+        if len(running) == 3:
+            together += 1
+            tables = [engine.cache.blocks_of(state.sequences[0].slot) for state in running]
+            assert all(table[:6] == tables[0][:6] for table in tables)  # one copy of the prefix
+            assert len({block for table in tables for block in table}) == 6 + 3  # each its own last block
+    assert together > 0
+    assert computed == 101 + 2 * 5  # the others waited for the first, then shared its blocks
+    assert_same(results, run(cold_engine(make_engine), requests()))
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2, 3])
@@ -130,7 +179,7 @@ def test_prompt_scores_reuse_the_kept_ones_and_equal_a_cold_run(make_engine):
     engine = make_engine()
     warm = run(engine, requests()[:1])
     reused = [cached_tokens(engine, r) for r in requests()[1:]]
-    assert all(r == len(CONTEXT) - 1 for r in reused), reused  # all but the context's last token
+    assert reused == [32] * 3  # the context's full blocks, with their tokens' scores kept
     warm.update(run(make_engine(), requests()))
     assert_same(warm, run(cold_engine(make_engine), requests()))
     # Fewer alternatives than were kept: reused; more: computed again, still exact.
@@ -152,7 +201,7 @@ def test_prompts_of_one_submission_share_their_context(make_engine):
         output = engine.step()
         computed += output.stats.prefill_tokens
         results.update((f.request_id, f) for f in output.finished)
-    assert computed < len(CONTEXT) + sum(len(c) + 2 for c in choices)
+    assert computed == sum(len(CONTEXT) + len(c) for c in choices) - 3 * 32  # the context's full blocks once
     cold = cold_engine(make_engine)
     assert_same(results, {r.request_id: f for r, f in zip(requests(), cold.generate(requests()))})
 
@@ -169,16 +218,16 @@ def test_beams_and_several_samples_start_from_a_reused_prefix(make_engine):
     assert_same({"samples": warm["samples"]}, {"samples": cold["samples"]})
 
 
-def test_least_recently_used_prefixes_are_evicted_and_nothing_changes(make_engine):
-    engine = make_engine(max_slots=2)
-    prompts = [random_prompt(30, seed=300 + i) for i in range(3)]
+def test_evicted_prefixes_are_computed_again_and_nothing_changes(make_engine):
+    config = dict(max_slots=2, kv_cache_sequences=1)  # 8 blocks: each prompt's evicts the one before
+    engine = make_engine(**config)
+    prompts = [random_prompt(60, seed=300 + i) for i in range(3)]
     for i, prompt in enumerate(prompts):
-        run(engine, [make_request(prompt, request_id=f"fill-{i}", max_new_tokens=2)])
-    # Two slots: the first prompt was evicted, the last two are still cached.
+        run(engine, [make_request(prompt, request_id=f"fill-{i}", max_new_tokens=40)])
+    assert engine.scheduler.prefix.evictions > 0
     assert cached_tokens(engine, make_request(prompts[0], max_new_tokens=2)) == 0
-    assert cached_tokens(engine, make_request(prompts[2], max_new_tokens=2)) == 29
     requests = lambda: [make_request(p + [1], request_id=f"again-{i}", max_new_tokens=5) for i, p in enumerate(prompts)]  # noqa: E731
-    assert_same(run(engine, requests()), run(cold_engine(make_engine, max_slots=2), requests()))
+    assert_same(run(engine, requests()), run(cold_engine(make_engine, **config), requests()))
 
 
 # --- chunked prefill --------------------------------------------------------------------------------
@@ -253,22 +302,39 @@ def test_a_failed_step_forgets_every_cached_prefix(make_engine):
     assert cached_tokens(engine, make_request(CONTEXT, max_new_tokens=2)) == 0
 
 
+def test_a_failed_requests_blocks_are_not_found_again(make_engine, monkeypatch):
+    """Its prompt's blocks were registered as they were prefilled; its row then failed (logits
+    not finite): what it computed is forgotten, its neighbour's stays cached."""
+    monkeypatch.setenv(faults.INJECT_ENV, "seed=424242,after=0")
+    engine = make_engine()
+    hostile = random_prompt(40, seed=41)
+    engine.submit([make_request(hostile, "hostile", max_new_tokens=4, do_sample=True, seed=424242),
+                   make_request(CONTEXT, "neighbour", max_new_tokens=4)])
+    failed = []
+    while engine.has_work():
+        failed += [f.request_id for f in engine.step().failed]
+    assert failed == ["hostile"]
+    assert cached_tokens(engine, make_request(hostile, max_new_tokens=2)) == 0
+    assert cached_tokens(engine, make_request(CONTEXT, max_new_tokens=2)) == 32
+
+
 # --- static decode padding (the path CUDA graphs replay, run eagerly here) --------------------------
 def test_padded_decode_rows_never_overwrite_a_cached_prefix(make_engine, hf_model):
-    """A finished prompt stays cached in a free slot; three streams then decode on three slots
-    padded to four, the fourth being that free slot; the cached prefix must survive."""
-    engine = make_engine(max_slots=4, static_decode=True)
+    """A finished prompt's blocks stay cached, held by no row; three streams then decode on
+    three slots padded to four; the cached prefix must survive. (A pool under the default size,
+    so that no stream's home lies on the cached blocks: model/kv_cache.py.)"""
+    engine = make_engine(max_slots=4, static_decode=True, kv_cache_sequences=3)
     run(engine, [make_request(CONTEXT, request_id="cached", max_new_tokens=2)])
+    cached = sorted(engine.cache.pool.key_of)
     streams = [make_request(random_prompt(6, seed=s), request_id=f"s{s}", max_new_tokens=12) for s in range(3)]
     engine.submit(streams)
     engine.step()
-    retained = engine.scheduler.prefix.retained
-    assert list(retained) == [3] and engine.cache.slots_used == 3  # packing moved it to slot 3
+    assert len(cached) == 2 and not engine.cache.refs[cached].any() and engine.cache.slots_used == 3
     run_until_idle(engine)
     follow_up = CONTEXT + [21, 22]
     request = make_request(follow_up, request_id="reuses", max_new_tokens=10)
     engine.submit([request])
-    assert engine.step().stats.cached_prompt_tokens == len(CONTEXT)
+    assert engine.step().stats.cached_prompt_tokens == 32  # the context's full blocks
     [result] = run_until_idle(engine)
     assert result.sequences[0].token_ids == hf_generate(hf_model, follow_up, 10)
     cold = cold_engine(make_engine).generate([make_request(follow_up, request_id="reuses", max_new_tokens=10)])

@@ -126,15 +126,18 @@ def test_rows_take_blocks_as_they_grow_and_give_them_back(model):
         cache.allocate(1, tokens=MAX_LEN)
 
 
-def test_free_rows_may_keep_their_blocks_and_moves_carry_them(model):
+def test_moves_carry_blocks_and_registered_ones_stay_cached_for_a_later_row(model):
     cache = KVCache(model.config, max_slots=3, max_len=MAX_LEN, num_blocks=6, block_size=4)
     a, b = cache.allocate(2, tokens=8)
-    cache.free(a, keep_blocks=True)
-    assert cache.blocks_of(a) == [1, 2] and cache.blocks_free == 2
-    cache.move_row(b, a)
+    cache.register(a, 0, "a's first block")  # its positions 0..3 computed
+    cache.move_row(a, b)
     assert cache.blocks_of(a) == [3, 4] and cache.blocks_of(b) == [1, 2]
-    cache.release(b)
-    assert cache.blocks_free == 4
+    cache.free(b)
+    assert cache.blocks_free == 4 and cache.pool.cached_free_count == 1  # block 1 cached, 2 plainly free
+    [c] = cache.allocate(1, tokens=0)
+    cache.share(c, [cache.pool.lookup("a's first block")])
+    assert cache.blocks_of(c) == [1] and cache.refs[1] == 1 and cache.blocks_free == 3
+    assert cache.ensure(c, 8) and cache.blocks_of(c) == [1, 2]  # grows on from the shared block
 
 
 @torch.no_grad()
