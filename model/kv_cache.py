@@ -259,24 +259,18 @@ class KVCache:
         length = np.asarray(lengths, dtype=np.int64)
         full = length // self.block_size
         copied = (full * self.block_size < length) & (full < self.row_blocks[src])  # [R] a partial block to copy
-        if int(copied.sum()) > len(self._free_block_set):
+        if int(copied.sum()) > self.pool.free_count:
             return False
         column = np.arange(self.blocks_per_row)
         old = self.tables[dst][column < self.row_blocks[dst][:, None]]  # every block the rows held
         shared = column < np.minimum(full, self.row_blocks[src])[:, None]  # [R, blocks]
         tables = np.where(shared, self.tables[src], SCRATCH)
-        np.add.at(self.refs, tables[shared], 1)
-        new = [self._take_block(None) for _ in range(int(copied.sum()))]
+        np.add.at(self.refs, tables[shared], 1)  # held by their source rows: none is free
+        new = [self.pool.take() for _ in range(int(copied.sum()))]
         tables[np.flatnonzero(copied), full[copied]] = new
         self.tables[dst] = tables
         self.row_blocks[dst] = np.minimum(full, self.row_blocks[src]) + copied
-        np.subtract.at(self.refs, old, 1)
-        freed = np.unique(old[self.refs[old] == 0]).tolist()
-        self._free_block_set.update(freed)
-        for block in freed:
-            heapq.heappush(self._free_blocks, block)
-        if len(self._free_blocks) > 2 * self.num_blocks:  # stale entries outnumber the pool
-            self._free_blocks = sorted(self._free_block_set)
+        self.pool.let_go(old.tolist())
         self._tables_changed()
         if new:
             self._copy_blocks(self.tables[src[copied], full[copied]].tolist(), new)
