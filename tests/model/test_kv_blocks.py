@@ -182,7 +182,8 @@ def held_twice_or_free_wrongly(cache: KVCache) -> bool:
         for block in cache.blocks_of(row):
             counts[block] += 1
     held = {block for block in range(1, cache.num_blocks + 1) if counts[block]}
-    return counts[1:].tolist() != cache.refs[1:].tolist() or bool(held & cache._free_block_set) \
+    free = cache.pool._free | set(cache.pool._cached_free)  # uncached and cached free blocks
+    return counts[1:].tolist() != cache.refs[1:].tolist() or bool(held & free) \
         or len(held) + cache.blocks_free != cache.num_blocks
 
 
