@@ -17,6 +17,7 @@ however many rows share its adapter; bench/lora_kernels.py measures the options 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,7 +41,8 @@ class SiteDelta:
     B expanded (not copied) to the rows: a product of one row has one shape whatever the group's
     size, so a row's delta has the same bits alone and in any batch. A plain [m, in] @ [in, r]
     matmul does not (MKL's kernels change with m), and the oneDNN-packed products the base uses
-    cost ~15 us more per call at these sizes (bench/lora_kernels.py).
+    cost ~15 us more per call at these sizes (bench/lora_kernels.py, which also measures products
+    of fixed tiles of rows: no cheaper once A and B come from memory, and slower with two threads).
     """
 
     a_t: torch.Tensor  # [in, r]: lora_A transposed
@@ -61,6 +63,14 @@ class SiteDelta:
     @property
     def nbytes(self) -> int:
         return self.a_t.nbytes + self.b_t.nbytes
+
+
+def tanh_gelu(y: torch.Tensor) -> torch.Tensor:
+    """GPT-2's GELU, 0.5·y·(1 + tanh(z)) with z = √(2/π)·(y + 0.044715·y³), written as y·σ(2z):
+    the same function, and twice as fast on CPU as F.gelu's tanh form (PyTorch's tanh is slow
+    there), for the adapted rows that cannot take the GELU fused into their product."""
+    two_c = 2.0 * math.sqrt(2.0 / math.pi)
+    return y * torch.sigmoid((y * y * (0.044715 * two_c) + two_c) * y)
 
 
 class LoraConv1D(nn.Module):
@@ -245,24 +255,44 @@ class LoraRows:
             if index != BASE:
                 spans.append((index, len(order), len(order) + len(rows)))
             order.extend(rows)
-        inverse = [0] * len(order)
-        for place, token in enumerate(order):
-            inverse[token] = place
-        return LoraGroups(self.adapters, *to_device([order, inverse], device), spans)
+        return LoraGroups(self.adapters, order, spans, device)
 
 
-@dataclass
 class LoraGroups:
     """One forward's tokens grouped by adapter: what each adapted layer reads.
 
     A layer gathers its input's tokens into `order` once, adds every adapter's deltas to the
     contiguous slices `spans` of its output, and puts the output back in place with `inverse`:
-    two gathers per layer, whatever the number of adapters."""
+    two gathers per layer, whatever the number of adapters. Everything a layer needs is built
+    here on the host, once per forward: no layer waits on the device to learn its indices."""
 
-    adapters: LoraSet
-    order: torch.Tensor  # [M] the flattened tokens, adapter by adapter, the base's last
-    inverse: torch.Tensor  # [M] where each token sits in `order`
-    spans: list[tuple[int, int, int]]  # (adapter index, start, end): each adapter's slice of `order`
+    def __init__(self, adapters: LoraSet, order: list[int], spans: list[tuple[int, int, int]], device: torch.device) -> None:
+        self.adapters = adapters
+        self.spans = spans  # (adapter index, start, end): each adapter's slice of `order`
+        self.tokens = len(order)
+        self._order = order  # the flattened tokens, adapter by adapter, the base's last
+        # Layers where only some of the batch's adapters have a delta group those first: one
+        # grouping per set of adapters present, shared by every such layer of the forward.
+        self._regrouped: dict[tuple[tuple[int, int], ...], tuple[torch.Tensor, torch.Tensor, list[tuple[int, int]]]] = {}
+        self._device = device
+        self.order, self.inverse, _ = self._grouping([(start, end) for _index, start, end in spans])
+
+    def _grouping(self, kept: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor, list[tuple[int, int]]]:
+        """(order, inverse, spans) on the device, with the tokens of the slices `kept` of `_order`
+        first, in their order, and the others after."""
+        firsts = [place for start, end in kept for place in range(start, end)]
+        taken = set(firsts)
+        places = firsts + [place for place in range(self.tokens) if place not in taken]
+        order = [self._order[place] for place in places]
+        inverse = [0] * self.tokens
+        for place, token in enumerate(order):
+            inverse[token] = place
+        spans, offset = [], 0
+        for start, end in kept:
+            spans.append((offset, offset + end - start))
+            offset += end - start
+        order_tensor, inverse_tensor = to_device([order, inverse], self._device)  # one copy
+        return order_tensor, inverse_tensor, spans
 
     def project(self, layer: LoraConv1D, x: torch.Tensor, gelu: bool) -> torch.Tensor:
         """layer.base(x, gelu) with each adapter's delta added to its own tokens (before the GELU)."""
@@ -286,21 +316,18 @@ class LoraGroups:
         for start, end, delta in present:
             delta.add_to(y_rows[start:end], x_rows[start:end])
         if gelu:
-            y = F.gelu(y, approximate="tanh")
+            y = tanh_gelu(y)
             if adapted < grouped.shape[0]:
                 y = torch.cat([y, layer.base(grouped[adapted:], gelu=True)])
         return y.index_select(0, inverse).view(*x.shape[:-1], -1)
 
     def _regroup(self, present: list[tuple[int, int, SiteDelta]]) -> tuple[torch.Tensor, torch.Tensor, list]:
         """(order, inverse, spans) with the tokens of the adapters in `present` first, the others after."""
-        kept = torch.zeros(len(self.order), dtype=torch.bool, device=self.order.device)
-        spans, offset = [], 0
-        for start, end, delta in present:
-            kept[start:end] = True
-            spans.append((offset, offset + end - start, delta))
-            offset += end - start
-        order = torch.cat([self.order[kept], self.order[~kept]])
-        return order, order.argsort(), spans
+        key = tuple((start, end) for start, end, _delta in present)
+        if key not in self._regrouped:
+            self._regrouped[key] = self._grouping(list(key))
+        order, inverse, spans = self._regrouped[key]
+        return order, inverse, [(start, end, delta) for (start, end), (_s, _e, delta) in zip(spans, present)]
 
 
 __all__ = ["AdapterError", "AppliedAdapter", "BASE", "LoraConv1D", "LoraGroups", "LoraRows", "LoraSet", "SiteDelta"]

@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file
 from model.config import GPT2Config
 from model.kv_cache import KVCache
 from model.gpt2 import Packing
+import model.lora as lora_module
 from model.linear import Conv1D
 from model.lora import BASE, LoraConv1D, LoraSet
 from model.lora_format import CONFIG_FILE, WEIGHTS_FILE, AdapterError
@@ -159,6 +160,25 @@ BAD_FOLDERS = {
                             ["h.7", "3 layers"]),
     "untargeted module": (lambda f: edit_config(f, target_modules=["c_fc", "c_proj"]), [C_ATTN_A, "target_modules"]),
 }
+
+
+def test_a_forwards_groupings_are_built_once_on_the_host(small_dir, tmp_path, monkeypatch):
+    """The layers only some of the batch's adapters adapt share one grouping of the tokens per
+    forward, made from host lists like the batch's own: no layer builds indices on the device
+    (on a GPU each such build waited for the device)."""
+    model = load_model(small_dir)
+    adapters = LoraSet(model)
+    every = adapters.load("every", peft_adapter(tmp_path / "every", small_dir, **PEFT_CONFIGS["all-modules"]))
+    attention = adapters.load("attention", peft_adapter(tmp_path / "attention", small_dir, seed=1, **PEFT_CONFIGS["attention-only"]))
+    copies = []
+    real = lora_module.to_device
+    monkeypatch.setattr(lora_module, "to_device", lambda values, device: copies.append(values) or real(values, device))
+    with torch.inference_mode():
+        model(random_ids(SMALL, batch=3, length=4), lora=adapters.rows([attention, BASE, every]))
+    # The batch's grouping (c_attn, which both adapt) and one for c_proj and c_fc, which only
+    # `every` adapts: [order, inverse] each time, every layer of the 3 blocks reading them.
+    assert [len(order) for order, _inverse in copies] == [12, 12]
+    assert copies[1][0][:4] == list(range(8, 12))  # `every`'s tokens (the third row) first
 
 
 @pytest.mark.parametrize("case", BAD_FOLDERS)
