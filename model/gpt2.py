@@ -16,7 +16,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from model.activations import ACTIVATIONS, TANH_GELU
 from model.attention import GPT2_ATTENTION, QUERY_BLOCK, AttentionMath, attend_in_blocks, float32_scores
 from model.config import GPT2Config
-from model.kv_cache import KVCache, SlotBatch
+from model.kv_cache import KVCache, RowReads, SlotBatch
 from model.linear import Conv1D, linear, pack, released
 from model.lora import LoraGroups, LoraRows
 from model.quantized import (
@@ -81,6 +81,8 @@ class AttentionInputs:
     packing: Packing | None = None
     # On CPU, per row (queries, keys): attention then runs row by row (`attend_by_row`).
     row_spans: list[tuple[int, int]] | None = None
+    # CPU decode: where each row's own keys lie, so each layer reads only those (`KVCache.read_rows`).
+    row_reads: RowReads | None = None
     # A prefill's queries in blocks at fixed positions (`attend_in_blocks`); otherwise each query its
     # own call, as a decode step runs it (decode, speculative verification).
     query_blocks: bool = False
@@ -88,10 +90,11 @@ class AttentionInputs:
 
 
 def attend_by_row(
-    queries: list[torch.Tensor], keys: torch.Tensor, values: torch.Tensor, ctx: AttentionInputs,
-    attend: AttentionMath = GPT2_ATTENTION,
+    queries: list[torch.Tensor], keys: torch.Tensor | list[torch.Tensor], values: torch.Tensor | list[torch.Tensor],
+    ctx: AttentionInputs, attend: AttentionMath = GPT2_ATTENTION,
 ) -> list[torch.Tensor]:
     """Row b's queries [1, H, n_b, d_h] over its own first L_b keys only: [1, H, n_b, d_h] each.
+    keys, values: [B, H, L, d_h], or row b's own [1, H, L_b, d_h] each (`KVCache.read_rows`).
 
     PyTorch's CPU attention (flash and math kernels alike) sums in an order set by the call's
     shape: on an AVX2 CPU a query's output changes in its last bits with the call's query count
@@ -108,7 +111,7 @@ def attend_by_row(
     """
     outputs = []
     for b, (q, (n, length)) in enumerate(zip(queries, ctx.row_spans)):
-        own_keys, own_values = keys[b : b + 1], values[b : b + 1]  # [1, H, L, d_h]
+        own_keys, own_values = (keys[b], values[b]) if isinstance(keys, list) else (keys[b : b + 1], values[b : b + 1])
         if ctx.query_blocks:
             outputs.append(attend_in_blocks(q, own_keys, own_values, length - n, attend))
         elif n == 1:
@@ -149,7 +152,10 @@ class CausalSelfAttention(nn.Module):
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # 3 × [B, H, T, d_h], views
         if ctx.cache is not None:
             ctx.cache.write(self.layer_index, ctx.rows, ctx.positions, qkv[:, :, 1:])
-            k, v = ctx.cache.read(self.layer_index, ctx.rows, ctx.kv_length)  # [B, H, L, d_h]
+            if ctx.row_reads is not None:  # each row's own keys and values: B × [1, H, L_b, d_h]
+                k, v = ctx.cache.read_rows(self.layer_index, ctx.row_reads)
+            else:
+                k, v = ctx.cache.read(self.layer_index, ctx.rows, ctx.kv_length)  # [B, H, L, d_h]
 
         probs = None
         if ctx.row_spans is not None:
@@ -372,6 +378,7 @@ class GPT2(nn.Module):
         )
         if by_row:
             ctx.row_spans = [(1, position + 1) for position in positions[:, 0].tolist()]  # decode: keys 0..p
+            ctx.row_reads = cache.row_reads(rows, [length for _, length in ctx.row_spans])
         if lora is not None:
             ctx.lora = lora.over_tokens([T] * B, input_ids.device)
 

@@ -51,6 +51,19 @@ class SlotBatch:
     span: slice | None
 
 
+@dataclass(frozen=True)
+class RowReads:
+    """Where each row's first `lengths[b]` positions lie, found once per forward for every layer
+    (`KVCache.row_reads`): a run of the pool's position axis from `starts[b]` (read as a view),
+    or, where the row's blocks are not consecutive (starts[b] None), blocks gathered[firsts[b]:]
+    of one gather for all such rows."""
+
+    lengths: list[int]
+    starts: list[int | None]
+    firsts: list[int]  # where a gathered row's blocks begin in `gathered`
+    gathered: torch.Tensor | None  # [blocks] long: the blocks of every row not one run, row after row
+
+
 class KVCache:
     """Keys and values for `max_slots` rows of up to `max_len` positions, in `num_blocks` blocks.
 
@@ -348,6 +361,53 @@ class KVCache:
         H, B = self.kv.shape[2], table.shape[0]
         gathered = out.view(2, H, B, -1, self.head_dim).transpose(1, 2)[:, :, :, :length]  # [2, B, H, length, d_h]
         return gathered[0], gathered[1]
+
+    def row_reads(self, rows: SlotBatch, lengths: list[int]) -> RowReads:
+        """Where each row's first lengths[b] positions are. Each row is looked at alone, so a row
+        whose blocks are not where a batch view wants them (a packing move carried its table, it
+        adopted a kept prefix or copied a shared block on write) is still a view if its own
+        blocks are one run, and else costs a gather of its own blocks, not of the batch's."""
+        slots = np.arange(rows.span.start, rows.span.stop) if rows.span is not None else rows.ids.cpu().numpy()
+        lengths = list(lengths[: len(slots)])
+        counts = -(-np.asarray(lengths, dtype=np.int64) // self.block_size)  # [B] blocks each row reads
+        columns = np.arange(int(counts.max()) if len(counts) else 0)
+        table = self.tables[slots[:, None], columns[None, :]]  # [B, most blocks]
+        # Consecutive blocks from the first, up to the row's count (past it, whatever lies there).
+        runs = ((table - table[:, :1] == columns) | (columns >= counts[:, None])).all(axis=1)  # [B]
+        starts: list[int | None] = (table[:, 0] * self.block_size).tolist()
+        firsts = [0] * len(starts)
+        scattered = np.flatnonzero(~runs).tolist()
+        gathered = []
+        for b in scattered:
+            starts[b], firsts[b] = None, sum(len(blocks) for blocks in gathered)
+            gathered.append(table[b, : counts[b]])
+        index = torch.from_numpy(np.concatenate(gathered)).to(self.device) if gathered else None
+        return RowReads(lengths, starts, firsts, index)
+
+    def read_rows(self, layer: int, reads: RowReads) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Row b's keys, and its values, of its first reads.lengths[b] positions, [1, H, length, d_h]
+        each: the numbers `read` gives, for rows attended one by one (CPU decode). Gathered rows
+        are valid until the next read."""
+        kv = self.kv[layer]  # [2, H, block·position, d_h]
+        H = kv.shape[1]
+        if reads.gathered is not None:
+            by_block = kv.view(2 * H, self.num_blocks + 1, self.block_size * self.head_dim)
+            size = by_block.shape[0] * reads.gathered.numel() * by_block.shape[2]
+            if self._gathered.numel() < size:  # a buffer kept between reads, as `read`'s
+                self._gathered = by_block.new_empty(size)
+            out = self._gathered[:size].view(by_block.shape[0], reads.gathered.numel(), -1)
+            torch.index_select(by_block, 1, reads.gathered, out=out)  # [2H, blocks, block_size·d_h]
+        keys, values = [], []
+        for start, first, length in zip(reads.starts, reads.firsts, reads.lengths):
+            if start is not None:
+                keys.append(kv[0:1, :, start : start + length])
+                values.append(kv[1:2, :, start : start + length])
+                continue
+            count = -(-length // self.block_size)
+            row = out[:, first : first + count].view(2, H, count * self.block_size, self.head_dim)
+            keys.append(row[0:1, :, :length])
+            values.append(row[1:2, :, :length])
+        return keys, values
 
     def _view(self, span: slice, blocks: int) -> tuple[int, int] | None:
         """(first block, blocks between rows) when rows span's first `blocks` blocks can be read

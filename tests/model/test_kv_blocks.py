@@ -61,6 +61,16 @@ def rows_growing_at_home(config) -> KVCache:
     return cache
 
 
+def rows_moved_at_home(config) -> KVCache:
+    """Rows at home, then rows 1 and 3 swapped by a packing move and row 0's first two blocks out
+    of order: no view of the batch; rows 1..3 each one run (read as views), row 0 gathered alone."""
+    cache = rows_growing_at_home(config)
+    cache.move_row(1, 3)
+    cache.tables[0, :2] = cache.tables[0, [1, 0]].copy()
+    cache._tables_changed()
+    return cache
+
+
 def tables_copied_as_on_cuda(config) -> KVCache:
     """Interleaved blocks, the tables read from a device copy refreshed when they change (as on
     CUDA, where the host's tables are not the device's) and never as a view."""
@@ -82,7 +92,7 @@ def decode_logits(model, cache: KVCache, slots: list[int]) -> list[torch.Tensor]
         out.append(model(sequences[b:b + 1, :n], positions=torch.arange(n)[None], cache=cache,
                          rows=cache.batch([slot])).logits[0])
     rows = cache.batch(slots)
-    positions = list(PROMPTS)
+    positions = PROMPTS[: len(slots)]  # one per row (all three broadcast a lone row to three)
     while max(positions) < MAX_LEN - 8:
         ids = torch.stack([seq[p] for seq, p in zip(sequences, positions)])[:, None]
         out.append(model(ids, positions=torch.tensor(positions)[:, None], cache=cache, rows=rows).logits[:, -1])
@@ -93,7 +103,7 @@ def decode_logits(model, cache: KVCache, slots: list[int]) -> list[torch.Tensor]
 @pytest.mark.parametrize("slots", [[2, 0, 3], [0], [1, 2, 3]], ids=["scattered rows", "one row", "a span"])
 def test_blocks_give_the_fixed_slot_cache_logits_bit_for_bit(model, slots):
     reference = decode_logits(model, fixed_slots(model.config), slots)
-    for layout in (interleaved_blocks, runs_of_blocks, rows_growing_at_home, tables_copied_as_on_cuda):
+    for layout in (interleaved_blocks, runs_of_blocks, rows_growing_at_home, rows_moved_at_home, tables_copied_as_on_cuda):
         cache = layout(model.config)
         for ours, theirs in zip(decode_logits(model, cache, slots), reference, strict=True):
             assert torch.equal(ours, theirs), layout.__name__
@@ -106,6 +116,26 @@ def test_reads_are_views_only_where_the_blocks_lie_like_slots(model):
     assert rows_growing_at_home(model.config)._view(slice(0, 4), blocks_for(MAX_LEN, 4)) == (1, 12)
     keys, _ = runs.read(0, runs.batch([1, 2, 3]), 20)
     assert keys._base is not None and keys.data_ptr() == runs.keys[0, :, 13 * 4].data_ptr()
+
+
+@torch.no_grad()
+def test_rows_read_alone_are_views_unless_their_own_blocks_are_scattered(model):
+    """CPU decode reads each row's own keys (`row_reads`): a row whose blocks are one run is a view
+    wherever they lie, and only a row whose blocks are not is gathered, with the batch's numbers."""
+    cache = rows_moved_at_home(model.config)
+    cache.kv.normal_()
+    rows = cache.batch([0, 1, 2, 3])
+    assert cache._view(rows.span, blocks_for(40, 4)) is None  # the batch read gathers every row
+    reads = cache.row_reads(rows, [40, 21, 9, 33])
+    assert reads.starts[0] is None and reads.starts[1:] == [(1 + 36) * 4, (1 + 24) * 4, (1 + 12) * 4]
+    assert reads.gathered.tolist() == cache.tables[0, :10].tolist()  # row 0's ten blocks only
+    keys, values = cache.read_rows(2, reads)
+    batch_keys, batch_values = cache.read(2, rows, 40)
+    for b, length in enumerate(reads.lengths):
+        assert keys[b].shape == (1, model.config.n_head, length, model.config.head_dim)
+        assert torch.equal(keys[b], batch_keys[b : b + 1, :, :length])
+        assert torch.equal(values[b], batch_values[b : b + 1, :, :length])
+    assert keys[3].data_ptr() == cache.keys[2, :, 13 * 4].data_ptr()  # row 3 holds row 1's home blocks
 
 
 def test_rows_take_blocks_as_they_grow_and_give_them_back(model):
