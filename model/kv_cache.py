@@ -254,7 +254,9 @@ class KVCache:
         if len(shared) > self.pool.free_count:
             return False
         old = self.tables[slot, shared].tolist()
-        new = [self.pool.take() for _ in shared]
+        # Into the row's home blocks where free, as `ensure` grows it: the row stays one run (a view).
+        new = [self.pool.take(1 + slot * self.blocks_per_row + index if self.homes else None, evict_wanted=self.homes)
+               for index in shared]
         self.refs[old] -= 1
         self.tables[slot, shared] = new
         self._tables_changed()

@@ -205,6 +205,21 @@ def test_forked_rows_share_blocks_until_one_writes_then_it_copies(model):
     assert cache.release(b) and cache.blocks_free == 8
 
 
+def test_a_copy_on_write_goes_into_the_rows_home_block_where_it_is_free(model):
+    """With homes, a row copying a shared block takes its own home block for it (not the lowest
+    free one): a row whose every block is a copy stays one run, read as a view."""
+    cache = KVCache(model.config, max_slots=3, max_len=MAX_LEN, block_size=4)
+    assert cache.homes
+    a, b = cache.allocate(2, tokens=0)
+    assert cache.ensure(a, 10)
+    cache.fork(a, b, 10)
+    assert cache.writable(b, 10, 11)
+    home = 1 + b * cache.blocks_per_row + 2
+    assert cache.blocks_of(b)[2] == home
+    assert cache.writable(b, 0, 11) and cache.blocks_of(b) == [home - 2, home - 1, home]
+    assert cache.row_reads(cache.batch([b]), [11]).gathered is None  # one run: a view
+
+
 def held_twice_or_free_wrongly(cache: KVCache) -> bool:
     """Whether some block's count of rows holding it is wrong, or a block is both held and free."""
     counts = torch.zeros(cache.num_blocks + 1, dtype=torch.long)
