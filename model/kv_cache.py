@@ -352,14 +352,7 @@ class KVCache:
                     values.as_strided(size, strides, values.storage_offset() + offset))
         self.sync_tables()
         table = self.device_tables[rows.span if rows.span is not None else rows.ids, :blocks]  # [B, nb]
-        by_block = self.kv[layer].view(-1, self.num_blocks + 1, self.block_size * self.head_dim)  # [2H, blocks, ·]
-        count = table.numel()
-        # Into a buffer kept between reads: a fresh tensor of this size costs more in page
-        # faults than the copy itself.
-        if self._gathered.numel() < by_block.shape[0] * count * by_block.shape[2]:
-            self._gathered = by_block.new_empty(by_block.shape[0] * count * by_block.shape[2])
-        out = self._gathered[: by_block.shape[0] * count * by_block.shape[2]].view(by_block.shape[0], count, -1)
-        torch.index_select(by_block, 1, table.reshape(-1), out=out)  # [2H, B·nb, block_size·d_h]
+        out = self._gather_blocks(layer, table.reshape(-1))  # [2H, B·nb, block_size·d_h]
         H, B = self.kv.shape[2], table.shape[0]
         gathered = out.view(2, H, B, -1, self.head_dim).transpose(1, 2)[:, :, :, :length]  # [2, B, H, length, d_h]
         return gathered[0], gathered[1]
@@ -386,6 +379,17 @@ class KVCache:
         index = torch.from_numpy(np.concatenate(gathered)).to(self.device) if gathered else None
         return RowReads(lengths, starts, firsts, index)
 
+    def _gather_blocks(self, layer: int, blocks: torch.Tensor) -> torch.Tensor:
+        """The layer's blocks listed, keys' and values' heads first: [2H, len(blocks), block_size·d_h],
+        valid until the next gather. Into a buffer kept between reads: a fresh tensor of this size
+        costs more in page faults than the copy itself."""
+        by_block = self.kv[layer].view(-1, self.num_blocks + 1, self.block_size * self.head_dim)  # [2H, blocks, ·]
+        size = by_block.shape[0] * blocks.numel() * by_block.shape[2]
+        if self._gathered.numel() < size:
+            self._gathered = by_block.new_empty(size)
+        out = self._gathered[:size].view(by_block.shape[0], blocks.numel(), -1)
+        return torch.index_select(by_block, 1, blocks, out=out)
+
     def read_rows(self, layer: int, reads: RowReads) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Row b's keys, and its values, of its first reads.lengths[b] positions, [1, H, length, d_h]
         each: the numbers `read` gives, for rows attended one by one (CPU decode). Gathered rows
@@ -393,12 +397,7 @@ class KVCache:
         kv = self.kv[layer]  # [2, H, block·position, d_h]
         H = kv.shape[1]
         if reads.gathered is not None:
-            by_block = kv.view(2 * H, self.num_blocks + 1, self.block_size * self.head_dim)
-            size = by_block.shape[0] * reads.gathered.numel() * by_block.shape[2]
-            if self._gathered.numel() < size:  # a buffer kept between reads, as `read`'s
-                self._gathered = by_block.new_empty(size)
-            out = self._gathered[:size].view(by_block.shape[0], reads.gathered.numel(), -1)
-            torch.index_select(by_block, 1, reads.gathered, out=out)  # [2H, blocks, block_size·d_h]
+            out = self._gather_blocks(layer, reads.gathered)  # [2H, blocks, block_size·d_h]
         keys, values = [], []
         for start, first, length in zip(reads.starts, reads.firsts, reads.lengths):
             if start is not None:
