@@ -10,6 +10,9 @@ the rest; a crash or a timeout is reported in its row, never fatal to the check)
 - anchor: bench/cuda_anchor.py, one greedy decode step as one CUDA graph, tok/s per batch size;
 - serve: the real server over HTTP (bench/bench_serve.py's clients) at each client count, each
   figure also as a ratio to the anchor at the same batch size;
+- xl-streams: bench/kv_blocks.py, a random GPT-2 XL (1.5B) at --dtype with the service's KV budget on
+  a GPU (0.8 of the memory free after the weights) and --max-batch-size 512: 512 streams of 128
+  in / 128 out submitted at once, the largest decode batch and preemptions counted by the engine;
 - overlap: bench/bench_overlap.py, the engine core alone with overlap off and on, and the
   synchronising CUDA calls left in an overlapped step (with their source lines);
 - api-servers: `--api-servers 1` against `4` at the largest client count: start-up time, tok/s,
@@ -68,9 +71,10 @@ STREAM_INTERVAL = 4  # the stream-interval part's: tokens per write
 # left when its turn comes. Measured on one H200 (docs/performance.md): lane 100 s, anchor 11,
 # serve 30, api-servers 54, quantize 23; the three bench scripts start two servers each (~21 s apiece).
 PARTS = [
-    Part("lane", 130, "the CUDA lane: tests/model, tests/engine, tests/analysis on the device"),
+    Part("lane", 180, "the CUDA lane: tests/model, tests/engine, tests/analysis on the device"),
     Part("anchor", 20, "one greedy decode step as one CUDA graph, replayed (bench/cuda_anchor.py)"),
     Part("serve", 60, "streaming clients over HTTP against one server (bench/bench_serve.py)"),
+    Part("xl-streams", 120, "512 concurrent 128/128 streams of a random GPT-2 XL in the GPU's KV budget (bench/kv_blocks.py)"),
     Part("overlap", 60, "the engine core alone, overlap off against on, and its synchronising calls per step (bench/bench_overlap.py)"),
     Part("api-servers", 85, "--api-servers 1 against 4 at the largest client count"),
     Part("spectrum", 70, "/analyze/spectrum over HTTP against the document's recipe (bench/bench_spectrum.py)"),
@@ -94,6 +98,7 @@ def part_lane(cfg: Config) -> dict:
                    "tests/model", "tests/engine", "tests/analysis"]
         env = {**os.environ, "GPT2_TEST_DEVICE": "cuda"}
     done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
+    print(done.stdout + done.stderr, flush=True)  # the part's log: every failure's traceback
     return pytest_summary(done.stdout + done.stderr) | {"exit_code": done.returncode}
 
 
@@ -101,7 +106,8 @@ def pytest_summary(output: str) -> dict:
     """Counts from pytest's closing line and the ids of what failed (its -rfE lines)."""
     closing = [line for line in output.splitlines() if re.search(r"\d+ (passed|failed)", line)]
     counts = {word: int(n) for n, word in re.findall(r"(\d+) (passed|failed|errors?|skipped)", closing[-1] if closing else "")}
-    failures = [line.split(" - ")[0] for line in output.splitlines() if line.startswith(("FAILED ", "ERROR "))]
+    # pytest's own lines ("ERROR tests/..."), not captured log records ("ERROR    service...").
+    failures = [line.split(" - ")[0] for line in output.splitlines() if re.match(r"(FAILED|ERROR) tests/", line)]
     return {"passed": counts.get("passed", 0), "failed": counts.get("failed", 0),
             "errors": counts.get("error", 0) + counts.get("errors", 0), "skipped": counts.get("skipped", 0),
             "failures": failures}
@@ -227,6 +233,11 @@ def part_overlap(cfg: Config) -> dict:
                         str(cfg.new_tokens), "--rounds", "1")
 
 
+def part_xl_streams(cfg: Config) -> dict:
+    return bench_script(cfg, "xl-streams", "bench.kv_blocks", "streams", "--preset", "gpt2-xl", "--streams", "512",
+                        "--max-batch-size", "512", "--kv-cache-memory-fraction", "0.8")
+
+
 def part_spectrum(cfg: Config) -> dict:
     return bench_script(cfg, "spectrum", "bench.bench_spectrum", "--http", "--tokens", str(cfg.spectrum_tokens), "--reps", "3")
 
@@ -266,7 +277,7 @@ def part_quantize(cfg: Config) -> dict:
     return {"rows": rows}
 
 
-RUNNERS = {"lane": part_lane, "anchor": part_anchor, "serve": part_serve, "overlap": part_overlap, "api-servers": part_api_servers,
+RUNNERS = {"lane": part_lane, "anchor": part_anchor, "serve": part_serve, "xl-streams": part_xl_streams, "overlap": part_overlap, "api-servers": part_api_servers,
            "spectrum": part_spectrum, "prefix": part_prefix, "speculative": part_speculative, "quantize": part_quantize,
            "stream-interval": part_stream_interval}
 

@@ -79,7 +79,7 @@ def markdown(report: dict) -> str:
                  [[r["part"], r["status"], f"{r['seconds']:.0f}", f"{r['limit_s']:.0f}", r["what"]] for r in report["parts"]])]
     render = {"lane": lane, "anchor": anchor, "serve": lambda r: serve(r, anchors), "stream-interval": lambda r: serve(r, anchors),
               "api-servers": lambda r: api_servers(r, anchors), "spectrum": script, "prefix": script,
-              "speculative": script, "overlap": script, "quantize": quantize}
+              "speculative": script, "overlap": script, "xl-streams": script, "quantize": quantize}
     for name, row in parts.items():
         out += ["", f"## {name}", ""]
         if row["status"] == "ok":

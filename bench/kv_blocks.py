@@ -3,24 +3,30 @@
     .venv/bin/python -m bench.kv_blocks streams    # concurrent 128-in/128-out streams at 16 slots' bytes
     .venv/bin/python -m bench.kv_blocks samples    # n=16 samples of one 900-token prompt: KV bytes
     .venv/bin/python -m bench.kv_blocks gather     # a decode step: fixed slots vs gathered blocks vs runs
+    python -m bench.kv_blocks streams --preset gpt2-xl --device cuda --dtype float16 \
+        --streams 512 --max-batch-size 512 --kv-cache-memory-fraction 0.8   # a GPU's budget (gpu_check)
 
 The budget is always "the bytes of 16 full-context sequences" of the model run (GPT-2 124M in
 float32: 16 × 1,024 × 73.7 KB = 1.2 GB), so what fits is counted in tokens, the same for any
 model of that context. By default `streams` and `samples` run a small random model with GPT-2's
 context (1,024 positions) and vocabulary, 2 layers of 64: the block arithmetic of the 124M at a
 fraction of its compute on a CPU; --model weights/gpt2 runs the (random) 124M itself.
-`gather` always times the 124M.
+`gather` always times the 124M. With --preset, `streams` runs a random model of that size built
+on --device (GPT-2's initialisation drawn there: no files), and with --kv-cache-memory-fraction
+the budget is the service's on a GPU (that share of the memory free after the weights) instead.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import statistics
 import time
 
 import torch
 
-from model.config import GPT2Config
+from model.config import PRESETS, GPT2Config
 from model.gpt2 import GPT2
 from model.kv_cache import KVCache, blocks_for, bytes_per_token
 from service.inprocess import Engine, EngineConfig
@@ -39,10 +45,34 @@ def small_model() -> GPT2:
     return model.eval()
 
 
-def engine_for(model: GPT2, max_batch_size: int) -> Engine:
-    budget = SLOTS_OF_BYTES * model.config.n_positions * bytes_per_token(model.config, model.dtype)
+@torch.no_grad()
+def random_model(config: GPT2Config, device: str, dtype: torch.dtype) -> GPT2:
+    """GPT-2's initialisation (weights/random_init.py's) drawn on the device: a 1.5B model in
+    seconds, where drawing it on a host's CPU and copying it over takes minutes."""
+    with torch.device(device):
+        model = GPT2(config)
+    generator = torch.Generator(device=device).manual_seed(0)
+    residual_std = config.initializer_range / math.sqrt(2 * config.n_layer)
+    for name, param in model.named_parameters():
+        leaf = name.rsplit(".", 1)[-1]
+        if ".ln_" in f".{name}":
+            param.fill_(1.0 if leaf == "weight" else 0.0)
+        elif leaf == "bias":
+            param.zero_()
+        else:
+            param.normal_(0.0, residual_std if name.endswith("c_proj.weight") else config.initializer_range,
+                          generator=generator)
+    model = model.to(dtype).eval().requires_grad_(False)
+    model.prepare()
+    return model
+
+
+def engine_for(model: GPT2, max_batch_size: int, fraction: float | None = None) -> Engine:
+    """At the bytes of 16 full-context sequences, or with `fraction`, the service's GPU budget."""
+    budget = None if fraction else SLOTS_OF_BYTES * model.config.n_positions * bytes_per_token(model.config, model.dtype)
     tokenizer = GPT2Tokenizer.from_dir("weights/gpt2")
-    config = EngineConfig(max_slots=max_batch_size, kv_cache_bytes=budget, max_waiting=1024, max_prefill_tokens=2048)
+    config = EngineConfig(max_slots=max_batch_size, kv_cache_bytes=budget, kv_cache_fraction=fraction,
+                          max_waiting=max(1024, 2 * max_batch_size), max_prefill_tokens=2048)
     return Engine(model, tokenizer, config)
 
 
@@ -71,12 +101,19 @@ def run(engine: Engine, requests: list[GenerationRequest]) -> dict:
             "preemptions": engine.scheduler.preemptions}
 
 
-def streams(model: GPT2, count: int) -> None:
-    engine = engine_for(model, 256)
+def streams(model: GPT2, count: int, max_batch_size: int = 256, fraction: float | None = None) -> dict:
+    engine = engine_for(model, max_batch_size, fraction)
     requests = [request(f"s{i}", prompt(128, i), max_new_tokens=128, ignore_eos=True) for i in range(count)]
+    began = time.perf_counter()
     result = run(engine, requests)
-    print(f"{count} streams of 128 in / 128 out, KV budget {engine.cache.num_blocks} blocks"
-          f" ({engine.cache.num_blocks * engine.cache.block_size} tokens), max batch 256: {result}")
+    cache = engine.cache
+    result |= {"streams": count, "max_batch_size": max_batch_size, "kv_blocks": cache.num_blocks,
+               "kv_tokens": cache.num_blocks * cache.block_size,
+               "kv_gb": cache.num_blocks * cache.block_size * bytes_per_token(model.config, model.dtype) / 1e9,
+               "seconds": time.perf_counter() - began, "device": str(model.device), "dtype": str(model.dtype)}
+    print(f"{count} streams of 128 in / 128 out, KV budget {cache.num_blocks} blocks ({result['kv_tokens']} tokens,"
+          f" {result['kv_gb']:.1f} GB), max batch {max_batch_size}: {result}")
+    return result
 
 
 def samples(model: GPT2) -> None:
@@ -129,16 +166,28 @@ def gather(rows: int, length: int, rounds: int) -> None:
         print(f"  {kind:20s} min {min(times[kind]) * 1e3:7.1f} ms   median {statistics.median(times[kind]) * 1e3:7.1f} ms")
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("what", choices=["streams", "samples", "gather"])
-    parser.add_argument("--model", help="a model folder (default: a small random model with GPT-2's context)")
+    parser.add_argument("--model", "--model-dir", dest="model",
+                        help="a model folder (default: a small random model with GPT-2's context)")
+    parser.add_argument("--preset", choices=list(PRESETS), help="streams: a random model of this size, drawn on --device")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default="float32")
+    parser.add_argument("--max-batch-size", type=int, default=256)
+    parser.add_argument("--kv-cache-memory-fraction", type=float, default=None,
+                        help="streams: the service's GPU budget instead of 16 full-context sequences' bytes")
+    parser.add_argument("--json", help="streams: write the counts here")
     parser.add_argument("--streams", type=int, default=64, help="streams submitted at once")
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 16], help="gather: rows per decode step")
     parser.add_argument("--length", type=int, default=512, help="gather: keys per row")
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--threads", type=int, default=None)
-    args = parser.parse_args()
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -146,8 +195,18 @@ def main() -> None:
         for rows in args.rows:
             gather(rows, args.length, args.rounds)
         return
-    model = load_model(args.model).eval() if args.model else small_model()
-    streams(model, args.streams) if args.what == "streams" else samples(model)
+    dtype = getattr(torch, args.dtype)
+    if args.preset:
+        model = random_model(PRESETS[args.preset], args.device, dtype)
+    else:
+        model = load_model(args.model, args.device, dtype).eval() if args.model else small_model()
+    if args.what == "samples":
+        samples(model)
+        return
+    result = streams(model, args.streams, args.max_batch_size, args.kv_cache_memory_fraction)
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump(result, out, indent=2)
 
 
 if __name__ == "__main__":

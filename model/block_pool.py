@@ -6,7 +6,8 @@ block's tokens and every token before them: service/engine/prefix_cache.py). Any
 then hold it read only (its refcount); when the last lets go it stays registered, free but
 cached, until the pool needs a block and nothing uncached is free: then the least recently freed
 cached block is evicted (its key dropped). vLLM v1's block pool and nano-vllm's block manager
-work so.
+work so. A row wanting a particular cached free block (model/kv_cache.py's homes) has it moved
+out of the way first (`relocate`) while an uncached block is free.
 
 Block 0 is the scratch block (model/kv_cache.py), never handed out.
 """
@@ -63,6 +64,26 @@ class BlockPool:
         self.refs[block] = 1
         self.free_count -= 1
         return block
+
+    def relocate(self, block: int) -> int | None:
+        """Move a cached free block's key to the lowest uncached free block, which the caller
+        fills with a copy of its content; the block is then plainly free. Where a row wants that
+        very block (its home), the cache keeps what it held, as least-recently-freed eviction
+        would, instead of giving it up. None (nothing moved) when the block is not cached free or
+        no uncached block is free. The moved entry counts as freed now."""
+        if block not in self._cached_free or not self._free:
+            return None
+        spare = heapq.heappop(self._heap)
+        while spare not in self._free:  # taken out of turn earlier
+            spare = heapq.heappop(self._heap)
+        self._free.remove(spare)
+        del self._cached_free[block]
+        self._cached_free[spare] = None
+        key = self.key_of.pop(block)
+        self.key_of[spare], self._block_of[key] = key, spare
+        self._free.add(block)
+        heapq.heappush(self._heap, block)
+        return spare
 
     def hold(self, blocks: Iterable[int]) -> None:
         """One more row holds each block (a cached free one is taken out of the free blocks)."""

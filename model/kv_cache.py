@@ -196,10 +196,9 @@ class KVCache:
         previous = int(self.tables[slot, held - 1]) if held else None
         for index in range(held, held + needed):
             if self.homes:
-                wanted = 1 + slot * self.blocks_per_row + index
+                block = self._take_home(1 + slot * self.blocks_per_row + index)
             else:
-                wanted = previous + 1 if previous is not None else None
-            block = self.pool.take(wanted, evict_wanted=self.homes)
+                block = self.pool.take(previous + 1 if previous is not None else None)
             self.tables[slot, index] = previous = block
         self.row_blocks[slot] = held + needed
         self._tables_changed()
@@ -229,13 +228,46 @@ class KVCache:
 
     def share(self, slot: int, blocks: list[int]) -> None:
         """Row `slot` (holding no blocks) starts with these blocks, read only: cached ones
-        holding its prefix (model/block_pool.py), which it holds from now on."""
+        holding its prefix (model/block_pool.py), which it holds from now on. Where rows have
+        homes and decode reads views (the CPU), the row takes copies in its home blocks instead:
+        the bytes are its own anyway, and a row whose blocks are one run is read as a view every
+        step, where a row holding another row's blocks is gathered every step, layer by layer."""
         if self.row_blocks[slot]:
             raise RuntimeError(f"row {slot} still holds blocks")
-        self.pool.hold(blocks)
+        if self.homes and self._shared_tables and len(blocks) <= self.pool.free_count:
+            blocks = self._copied_home(slot, blocks)
+        else:
+            self.pool.hold(blocks)
         self.tables[slot, : len(blocks)] = blocks
         self.row_blocks[slot] = len(blocks)
         self._tables_changed()
+
+    def _copied_home(self, slot: int, blocks: list[int]) -> list[int]:
+        """The row's first home blocks, holding copies of `blocks` (those lying there already
+        held as they are). One copy of all: every source is read before any block is written,
+        so a source taken as another's destination (evicted from the cache) is still copied whole."""
+        home = 1 + slot * self.blocks_per_row
+        mine, sources, copies = [], [], []
+        for index, block in enumerate(blocks):
+            if block == home + index:
+                self.pool.hold([block])
+                mine.append(block)
+                continue
+            mine.append(self._take_home(home + index))
+            sources.append(block)
+            copies.append(mine[-1])
+        if copies:
+            self._copy_blocks(sources, copies)
+        return mine
+
+    def _take_home(self, block: int) -> int:
+        """A row's home block, or another free one where a row holds it. A prefix cached there
+        is moved to a free block first where one is (a copy of one block), else evicted: the
+        row's bytes are its own, and a row in its home blocks is read as a view."""
+        spare = self.pool.relocate(block)
+        if spare is not None:
+            self._copy_blocks([block], [spare])
+        return self.pool.take(block, evict_wanted=True)
 
     def register(self, slot: int, index: int, key: Hashable) -> None:
         """The row's index-th block, whose positions a completed forward wrote, holds what `key`
@@ -255,7 +287,7 @@ class KVCache:
             return False
         old = self.tables[slot, shared].tolist()
         # Into the row's home blocks where free, as `ensure` grows it: the row stays one run (a view).
-        new = [self.pool.take(1 + slot * self.blocks_per_row + index if self.homes else None, evict_wanted=self.homes)
+        new = [self._take_home(1 + slot * self.blocks_per_row + index) if self.homes else self.pool.take()
                for index in shared]
         self.refs[old] -= 1
         self.tables[slot, shared] = new
@@ -304,9 +336,12 @@ class KVCache:
             self._tables_stale = True
 
     def sync_tables(self) -> None:
-        """Copy the host's tables to the device (CUDA) when the scheduler changed them."""
+        """Copy the host's tables to the device (CUDA) when the scheduler changed them: queued
+        behind the work already launched (which reads the old ones), from pinned memory, so the
+        host does not wait for it (model/transfer.py). A captured graph reads the device copy
+        without running this: whoever replays one calls it first."""
         if self._tables_stale:
-            self.device_tables.copy_(torch.from_numpy(self.tables), non_blocking=False)
+            self.device_tables.copy_(to_device(self.tables, self.device), non_blocking=True)
             self._tables_stale = False
 
     # --- tensors ----------------------------------------------------------------------------------

@@ -28,6 +28,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
+
 from model.gpt2 import GPT2
 from model.kv_cache import BLOCK_SIZE, KVCache, blocks_for, bytes_per_token
 from service.engine.adapters import ServedAdapters
@@ -97,6 +99,11 @@ def kv_blocks(engine: EngineConfig, max_len: int, config, dtype: torch.dtype, fr
     return budget // per_block
 
 
+def device_free_bytes(device: torch.device) -> int | None:
+    """The GPU's free memory, which a fraction budget takes its share of; None elsewhere."""
+    return torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+
+
 class EngineCore:
     def __init__(
         self,
@@ -115,7 +122,7 @@ class EngineCore:
         self.device = model.device
         self.clock = clock
         max_len = config.max_len or model.config.n_positions
-        free = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else None
+        free = device_free_bytes(self.device)
         self.cache = KVCache(model.config, config.max_slots, max_len, self.device, model.dtype,
                              num_blocks=kv_blocks(config, max_len, model.config, model.dtype, free))
         self.scheduler = Scheduler(self.cache, config.max_waiting, config.max_prefill_tokens, eos_token_id,

@@ -3,16 +3,16 @@
 A decode forward becomes static when three things are fixed:
 - the batch: slots 0..Bp-1, Bp the next size of a ladder (1, 2, 4, 8, ... max_slots) above the
   highest decoding slot (the scheduler keeps running sequences packed in the lowest slots). The
-  rows of other slots (free ones, which may hold a cached prefix, and prompts still being
-  prefilled) are padding: they feed a token at the slot's last position, max_len-1, which no
-  sequence ever caches (the last token of a full-length sequence is never fed), so padding
-  never overwrites keys and values anyone reads;
+  rows of other slots (free ones, and prompts still being prefilled) are padding: they feed a
+  token at the slot's last position, max_len-1, which no sequence ever caches (the last token of
+  a full-length sequence is never fed); a free slot's table points there at the scratch block;
 - the keys read: a length bucket (64, 128, 256, ... max_len) at least as long as the longest row,
   each row masked beyond its own position;
 - the buffers: input ids, positions and logits live in tensors allocated once, which a step
-  fills and reads.
-Attention reads the cache through a view of slots 0..Bp-1 (no gather), so a graph holds no
-slot ids at all. Sampling stays outside the graph (vectorised, a handful of kernels).
+  fills and reads; the KV cache's block tables live on the device in one tensor (a static
+  input), which `run` brings up to date before a replay.
+Attention reads each row's blocks through the device's block tables, so a graph holds no slot
+ids and no block ids. Sampling stays outside the graph (vectorised, a handful of kernels).
 
 On CUDA (`capture()`), each (batch size, length bucket) pair is captured once at start-up, then
 checked against the eager forward; a mismatch or any capture error turns graphs off with a
@@ -106,6 +106,8 @@ class StaticDecode:
         rows = None if packed else host[3, :count]
         graph = self.graphs.get((size, bucket))
         if graph is not None:
+            # The graph reads the device's block tables; an eager forward syncs them as it runs.
+            self.cache.sync_tables()
             graph[0].replay()
             logits = graph[1]  # [size, V]
         else:
@@ -151,18 +153,27 @@ class StaticDecode:
 
     @torch.inference_mode()
     def _check(self) -> None:
-        """Replay against the eager forward on the same inputs (slots 0..size-1 hold zeros or
-        leftovers from capture; both paths read the same ones)."""
+        """Replay against the eager forward on the same inputs. The rows get blocks of their own
+        for the check (rows without any all write the scratch block, in an order the device does
+        not fix), holding zeros or leftovers from capture; both paths read the same ones."""
         for size, bucket in [(self.batch_sizes[0], self.length_buckets[0]), (self.batch_sizes[-1], self.length_buckets[-1])]:
+            tokens = min(bucket, self.cache.blocks_free // size * self.cache.block_size)
+            if tokens == 0:  # too few blocks for every row: the smaller pair checks the capture
+                continue
             generator = torch.Generator(device="cpu").manual_seed(size)
             ids = torch.randint(0, self.model.config.vocab_size, (size,), generator=generator).tolist()
-            positions = torch.randint(0, bucket, (size,), generator=generator).tolist()
-            slots = list(range(size))
-            graph_logits = self.run(slots, ids, positions).float().clone()
-            graph, _ = self.graphs.pop((size, bucket))
-            eager_logits = self.run(slots, ids, positions).float()
-            self.graphs[(size, bucket)] = (graph, _)
+            positions = torch.randint(0, tokens, (size,), generator=generator).tolist()
+            positions[-1] = tokens - 1  # the longest row picks the graph replayed: this one
+            checked = (size, next_size(self.length_buckets, tokens))  # (bucket, unless blocks are short)
+            slots = self.cache.allocate(size, tokens)
+            try:
+                graph_logits = self.run(slots, ids, positions).float().clone()
+                graph = self.graphs.pop(checked)
+                eager_logits = self.run(slots, ids, positions).float()
+                self.graphs[checked] = graph
+            finally:
+                self.cache.free(slots)
             # Same kernels, same inputs: only the order of floating-point sums may differ.
             if not torch.allclose(graph_logits, eager_logits, rtol=1e-2, atol=1e-2):
                 worst = (graph_logits - eager_logits).abs().max().item()
-                raise RuntimeError(f"graph replay differs from eager decode by {worst:.3g} (batch {size}, keys {bucket})")
+                raise RuntimeError(f"graph replay differs from eager decode by {worst:.3g} (batch {size}, keys {checked[1]})")

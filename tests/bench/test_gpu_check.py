@@ -57,6 +57,8 @@ def test_every_part_runs_and_reports(smoke_report):
 def test_pytest_summary_reads_counts_and_failures():
     output = "\n".join([
         "....F.E", "FAILED tests/a.py::test_x[cuda] - AssertionError: 1 != 2", "ERROR tests/b.py::test_y - boom",
+        # a log record pytest captured and printed with a failure: not a test of its own
+        "ERROR    service.engine.core:core.py:205 engine step failed",
         "1 failed, 409 passed, 3 skipped, 1 error in 82.10s",
     ])
     assert gpu_check.pytest_summary(output) == {

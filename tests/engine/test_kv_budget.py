@@ -109,9 +109,10 @@ def test_samples_of_one_prompt_share_its_blocks_and_draw_as_requests_alone(make_
 
 def test_a_prompt_extending_a_running_sequence_shares_its_full_blocks(make_engine):
     """No copy of a running sequence's prefix: its full blocks are shared, registered as it was
-    prefilled; the new prompt computes the rest in a block of its own."""
+    prefilled; the new prompt computes the rest in a block of its own. (In a pool short of a home
+    for every row, where sharing saves the bytes; with homes, the CPU copies them home.)"""
     context = random_prompt(40, seed=41)  # blocks 0 and 1 full, block 2 partly
-    engine = make_engine(max_slots=8)
+    engine = make_engine(max_slots=8, kv_cache_sequences=7)
     engine.submit([make_request(context, request_id="stream", max_new_tokens=20)])
     for _ in range(3):
         engine.step()
@@ -162,3 +163,15 @@ def test_the_service_takes_a_fraction_of_free_memory_on_cuda_and_sequences_on_cp
     on_cpu = core_config(Settings(device="cpu"), 1024, 50256).engine
     assert on_gpu.kv_cache_fraction == 0.7 and on_cpu.kv_cache_fraction is None
     assert on_cpu.kv_cache_sequences == 16
+
+
+def test_the_free_memory_a_fraction_takes_is_the_gpus_and_none_elsewhere(monkeypatch):
+    """What EngineCore asks on a GPU before sizing its pool (on the CPU nothing is asked)."""
+    import torch
+
+    from service.engine.core import device_free_bytes
+
+    asked = []
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (asked.append(device), (7 << 30, 80 << 30))[1])
+    assert device_free_bytes(torch.device("cpu")) is None and asked == []
+    assert device_free_bytes(torch.device("cuda", 0)) == 7 << 30 and asked == [torch.device("cuda", 0)]

@@ -102,6 +102,40 @@ def test_free_cached_blocks_are_evicted_least_recently_freed_first_only_under_pr
     assert pool.lookup("b") is None and pool.cached_free_count == 0 and pool.free_count == 1
 
 
+def test_a_block_wanted_where_a_prefix_is_cached_has_the_prefix_moved_not_dropped():
+    pool = BlockPool(4)
+    block = pool.take()
+    pool.register(block, "a")
+    pool.let_go([block])
+    spare = pool.relocate(block)  # a row wants that block: its key moves to a free one
+    assert spare == 2 and pool.lookup("a") == spare and pool.cached_free_count == 1
+    assert pool.take(block, evict_wanted=True) == block and pool.evictions == 0 and pool.free_count == 3
+    assert pool.relocate(spare) == 3 and pool.lookup("a") == 3
+    pool.take(), pool.take()  # no uncached block is free: nothing to move it to
+    assert pool.relocate(3) is None and pool.take(3, evict_wanted=True) == 3 and pool.lookup("a") is None
+
+
+def test_a_row_growing_into_its_home_keeps_the_prefix_cached_there(make_engine):
+    """lm-evaluation-harness's multiple choice: a context's first choice ends, another client's
+    request takes that row and grows into its home blocks, then the next choice arrives. The
+    context is still found (moved aside, not evicted), and everything equals a cold run."""
+    context = random_prompt(70, seed=70)  # four full blocks
+    engine = make_engine(max_slots=4)
+    assert engine.cache.homes
+    first = make_request(context + [5], request_id="first", max_new_tokens=2, prompt_logprobs=True)
+    other = make_request(random_prompt(80, seed=80), request_id="other", max_new_tokens=3, prompt_logprobs=True)
+    second = make_request(context + [9, 8], request_id="second", max_new_tokens=2, prompt_logprobs=True)
+    results = run(engine, [first, other])
+    engine.submit([second])
+    reused = 0
+    while engine.has_work():
+        output = engine.step()
+        reused += output.stats.cached_prompt_tokens
+        results.update((f.request_id, f) for f in output.finished)
+    assert reused == 64 and engine.cache.pool.evictions == 0
+    assert_same(results, run(cold_engine(make_engine, max_slots=4), [first, other, second]))
+
+
 # --- exactness through the engine ----------------------------------------------------------------
 def test_a_prompt_extending_a_finished_one_reuses_it_and_decodes_the_same(make_engine, hf_model):
     first = make_request(CONTEXT, request_id="first", max_new_tokens=6)
@@ -142,7 +176,7 @@ def test_concurrent_requests_sharing_a_long_prefix_hold_one_copy_of_its_blocks(m
     shared = random_prompt(96, seed=96)  # six full blocks
     requests = lambda: [  # noqa: E731
         make_request(shared + random_prompt(5, seed=s), request_id=f"r{s}", max_new_tokens=8) for s in range(3)]
-    engine = make_engine(max_slots=4)
+    engine = make_engine(max_slots=4, kv_cache_sequences=3)  # short of homes: shared, not copied home
     engine.submit(requests())
     computed, together, results = 0, 0, {}
     while engine.has_work():

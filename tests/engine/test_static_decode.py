@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model.kv_cache import KVCache
+from model.kv_cache import SCRATCH, KVCache
 from service.engine.graphs import StaticDecode, ladder, next_size
 from tests.conftest import TINY
 from tests.engine.conftest import hf_generate, make_request, random_prompt, run_until_idle
@@ -71,3 +71,57 @@ def test_a_request_admitted_into_a_padded_slot_keeps_its_prompt(make_engine, hf_
         torch.testing.assert_close(ours.logprobs, reference.logprobs, rtol=0, atol=LOGIT_TOLERANCE)
     late = static["late"].sequences[0].token_ids
     assert late == hf_generate(hf_model, random_prompt(5, seed=4), 8)
+
+
+class RecordingGraph:
+    """Stands in for a captured graph: replaying it records whether the device's block tables
+    (what a graph reads, with no Python of the cache's running) match the host's."""
+
+    def __init__(self, cache: KVCache) -> None:
+        self.cache, self.tables_seen = cache, []
+
+    def replay(self) -> None:
+        self.tables_seen.append(torch.equal(self.cache.device_tables, torch.from_numpy(self.cache.tables)))
+
+
+def test_a_replayed_graph_reads_the_block_tables_the_scheduler_last_wrote(tiny_model):
+    cache = KVCache(TINY, 4, TINY.n_positions, device=tiny_model.device)
+    # A GPU's layout on the CPU: the forward reads a device copy of the tables, not the host array.
+    cache._shared_tables, cache.device_tables = False, torch.from_numpy(cache.tables.copy())
+    decode = StaticDecode(tiny_model, cache)
+    graph = RecordingGraph(cache)
+    logits = torch.zeros(2, TINY.vocab_size)
+    decode.graphs[(2, decode.length_buckets[0])] = (graph, logits)
+    slots = cache.allocate(2, tokens=20)  # the tables change after the last forward
+    decode.run(slots, [1, 2], [19, 19])
+    cache.ensure(slots[1], 40)  # a row crosses into a new block
+    decode.run(slots, [3, 4], [20, 39])
+    assert graph.tables_seen == [True, True]
+
+
+class EagerGraph:
+    """Stands in for a captured graph by running the static forward eagerly into its output,
+    noting the rows' first blocks (SCRATCH: a row without blocks of its own)."""
+
+    def __init__(self, decode: StaticDecode, size: int, bucket: int) -> None:
+        self.decode, self.size, self.bucket, self.first_blocks = decode, size, bucket, []
+        self.logits = torch.zeros(size, TINY.vocab_size)
+
+    def replay(self) -> None:
+        self.first_blocks.append(self.decode.cache.tables[: self.size, 0].tolist())
+        self.logits.copy_(self.decode._forward(self.size, self.bucket))
+
+
+def test_the_capture_check_gives_its_rows_blocks_of_their_own_and_gives_them_back(tiny_model):
+    # Rows without blocks all write the one scratch block, in an order a GPU does not fix: the
+    # graph and the eager forward could then read different keys and the check fail by chance.
+    cache = KVCache(TINY, 4, TINY.n_positions, device=tiny_model.device)
+    decode = StaticDecode(tiny_model, cache)
+    fakes = {}
+    for size, bucket in [(decode.batch_sizes[0], decode.length_buckets[0]), (decode.batch_sizes[-1], decode.length_buckets[-1])]:
+        fakes[size] = EagerGraph(decode, size, bucket)
+        decode.graphs[(size, bucket)] = (fakes[size], fakes[size].logits)
+    decode._check()
+    assert all(SCRATCH not in seen for fake in fakes.values() for seen in fake.first_blocks)
+    assert [len(fake.first_blocks) for fake in fakes.values()] == [1, 1]
+    assert cache.slots_used == 0 and cache.blocks_free == cache.num_blocks

@@ -220,6 +220,37 @@ def test_a_copy_on_write_goes_into_the_rows_home_block_where_it_is_free(model):
     assert cache.row_reads(cache.batch([b]), [11]).gathered is None  # one run: a view
 
 
+@torch.no_grad()
+def test_with_homes_a_cached_prefix_is_copied_home_and_without_them_shared(model):
+    """Where every row has its home (and decode reads views: the CPU), a row starting from
+    cached blocks takes copies in its home blocks: one run, read as a view, the cache untouched.
+    Where the pool is short of homes, it holds the cached blocks themselves (no bytes spent)."""
+    for num_blocks, copies in ((None, True), (3 * blocks_for(MAX_LEN, 4) - 1, False)):
+        cache = KVCache(model.config, max_slots=3, max_len=MAX_LEN, num_blocks=num_blocks, block_size=4)
+        assert cache.homes == copies
+        a, b = cache.allocate(2, tokens=8)
+        cache.kv.normal_()
+        cache.register(a, 0, "a0")
+        cache.register(a, 1, "a1")
+        theirs = cache.blocks_of(a)
+        cache.free(a)
+        cached = [cache.pool.lookup("a0"), cache.pool.lookup("a1")]
+        assert cached == theirs
+        _, c = cache.allocate(2, tokens=0)  # a's row again, and a row whose home lies elsewhere
+        cache.share(c, cached)
+        mine = cache.blocks_of(c)
+        if copies:
+            home = 1 + c * cache.blocks_per_row
+            assert mine == [home, home + 1] and cache.refs[cached].tolist() == [0, 0]
+            assert [cache.pool.lookup("a0"), cache.pool.lookup("a1")] == cached  # still cached, free
+            assert cache.row_reads(cache.batch([c]), [8]).gathered is None  # one run: a view
+        else:
+            assert mine == cached and cache.refs[cached].tolist() == [1, 1]
+        by_block = cache.kv.view(*cache.kv.shape[:3], -1, 4, cache.kv.shape[-1])
+        assert torch.equal(by_block[:, :, :, mine], by_block[:, :, :, cached])
+        assert not held_twice_or_free_wrongly(cache)
+
+
 def held_twice_or_free_wrongly(cache: KVCache) -> bool:
     """Whether some block's count of rows holding it is wrong, or a block is both held and free."""
     counts = torch.zeros(cache.num_blocks + 1, dtype=torch.long)
