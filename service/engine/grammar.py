@@ -237,7 +237,9 @@ class Grammars:
         # Elsewhere the packed words cross (32x fewer bytes) and are unpacked on the device.
         bits = torch.arange(32, dtype=torch.int32, device=device)
         packed = to_device(bitmask, device, torch.int32)  # pinned: queued, the host goes on
-        allowed = ((packed[:, :, None] >> bits) & 1).reshape(len(constrained), -1)[:, : self.vocab_size]  # [k, V]
+        # 32 bits a word, spelled out: -1 cannot be inferred for k = 0 rows (a constrained
+        # sequence that ended while its draw waited for the step before: StepSampler.launch).
+        allowed = ((packed[:, :, None] >> bits) & 1).reshape(len(constrained), words * 32)[:, : self.vocab_size]  # [k, V]
         return constrained, allowed == 0, errors
 
 
