@@ -136,6 +136,7 @@ def install(core, vocabulary: bool = False) -> VocabularyForwards | None:
     """`vocabulary`: logits as wide as the model's vocabulary (see the module's docstring)."""
     global VOCABULARY
     core.model.lm_head = lambda x: x  # forward_from's head over what forward_packed returned
+    core.cache.homes = False  # a GPU's cache: reads gather, rows have no homes (model/kv_cache.py)
     if not vocabulary:
         core.model.forward = standin_forward
         core.model.forward_packed = standin_forward_packed

@@ -116,15 +116,19 @@ class KVCache:
         self._shared_tables = self.device.type == "cpu"  # the device copy is the host array itself
         self.device_tables = torch.from_numpy(self.tables) if self._shared_tables else to_device(self.tables, self.device)
         self._tables_stale = False
+        self._moves: dict[int, int] = {}  # destination block → source: cached blocks moved, not yet copied
         # Free blocks, blocks kept for the prefix they hold, and how many rows hold each:
         # several share a prompt's blocks (read only; one that writes into a shared block first
         # copies it: `writable`).
         self.pool = BlockPool(num_blocks)
         self.refs = self.pool.refs
-        # Where the pool holds every row at full length, row r prefers the blocks a fixed slot r
-        # had (its home): rows running side by side then read as one view, as slots did. Those
-        # bytes are the row's: growing into its home, it evicts a cached block lying there.
-        self.homes = num_blocks >= max_slots * self.blocks_per_row
+        # Where reads are views (the CPU) and the pool holds every row at full length, row r
+        # prefers the blocks a fixed slot r had (its home): rows running side by side then read as
+        # one view, as slots did. Those bytes are the row's: growing into its home, it has a cached
+        # block lying there moved aside (`_take_home`), and a row starting from cached blocks
+        # takes copies there (`share`), since a row holding others' blocks is gathered every step.
+        # On a GPU every read gathers: blocks are taken in turn, cached ones evicted in LRU order.
+        self.homes = self._shared_tables and num_blocks >= max_slots * self.blocks_per_row
         self._views: dict[tuple[int, int, int], tuple[int, int] | None] = {}  # (first row, rows, blocks) → view
         self._views_version = 0
         self._views_at = -1
@@ -229,12 +233,12 @@ class KVCache:
     def share(self, slot: int, blocks: list[int]) -> None:
         """Row `slot` (holding no blocks) starts with these blocks, read only: cached ones
         holding its prefix (model/block_pool.py), which it holds from now on. Where rows have
-        homes and decode reads views (the CPU), the row takes copies in its home blocks instead:
+        homes (where decode reads views: the CPU), the row takes copies in its home blocks instead:
         the bytes are its own anyway, and a row whose blocks are one run is read as a view every
         step, where a row holding another row's blocks is gathered every step, layer by layer."""
         if self.row_blocks[slot]:
             raise RuntimeError(f"row {slot} still holds blocks")
-        if self.homes and self._shared_tables and len(blocks) <= self.pool.free_count:
+        if self.homes and len(blocks) <= self.pool.free_count:
             blocks = self._copied_home(slot, blocks)
         else:
             self.pool.hold(blocks)
@@ -266,7 +270,10 @@ class KVCache:
         row's bytes are its own, and a row in its home blocks is read as a view."""
         spare = self.pool.relocate(block)
         if spare is not None:
-            self._copy_blocks([block], [spare])
+            # Queued, copied before the next forward or copy (`sync_tables`): one copy a step,
+            # however many rows grew. A block moved before its own move was copied holds what
+            # its source held, and needs no copy of its own now.
+            self._moves[spare] = self._moves.pop(block, block)
         return self.pool.take(block, evict_wanted=True)
 
     def register(self, slot: int, index: int, key: Hashable) -> None:
@@ -336,10 +343,14 @@ class KVCache:
             self._tables_stale = True
 
     def sync_tables(self) -> None:
-        """Copy the host's tables to the device (CUDA) when the scheduler changed them: queued
-        behind the work already launched (which reads the old ones), from pinned memory, so the
-        host does not wait for it (model/transfer.py). A captured graph reads the device copy
-        without running this: whoever replays one calls it first."""
+        """Bring the device up to date with the scheduler's changes: the cached blocks it moved
+        (`_take_home`) copied, and the host's tables copied to the device (CUDA) when they
+        changed, queued behind the work already launched (which reads the old ones), from pinned
+        memory, so the host does not wait for it (model/transfer.py). Every forward runs this
+        before it writes or reads; a captured graph does not: whoever replays one calls it."""
+        if self._moves:
+            moves, self._moves = self._moves, {}
+            self._copy_now(list(moves.values()), list(moves))
         if self._tables_stale:
             self.device_tables.copy_(to_device(self.tables, self.device), non_blocking=True)
             self._tables_stale = False
@@ -481,6 +492,7 @@ class KVCache:
     def scrub(self, blocks: list[int]) -> None:
         """Zero blocks (and the scratch block): a failed sequence's keys and values may not be
         finite, and a later sequence's masked positions still multiply them (0 * NaN is NaN)."""
+        self.sync_tables()  # a block moved out of one of these holds what it held before
         by_block = self.kv.view(*self.kv.shape[:3], -1, self.block_size, self.kv.shape[-1])
         by_block[:, :, :, [SCRATCH, *blocks]] = 0
 
@@ -497,6 +509,10 @@ class KVCache:
         self._copy_blocks(src_blocks.tolist(), dst_blocks.tolist())
 
     def _copy_blocks(self, src: list[int], dst: list[int]) -> None:
+        self.sync_tables()  # the queued moves first: a source may be a block moved to
+        self._copy_now(src, dst)
+
+    def _copy_now(self, src: list[int], dst: list[int]) -> None:
         src_ids, dst_ids = to_device([src, dst], self.device)
         by_block = self.kv.view(*self.kv.shape[:3], -1, self.block_size, self.kv.shape[-1])
         # The source blocks are gathered first, so a permutation among the same blocks is safe;

@@ -251,6 +251,29 @@ def test_with_homes_a_cached_prefix_is_copied_home_and_without_them_shared(model
         assert not held_twice_or_free_wrongly(cache)
 
 
+@torch.no_grad()
+def test_a_cached_block_in_a_growing_rows_home_is_moved_aside_with_its_content(model):
+    """Rows growing into their homes find cached prefixes there moved to free blocks: the keys
+    follow them (copied before the next forward, all of a step's moves in one copy), even when a
+    block moved is moved again before that."""
+    cache = KVCache(model.config, max_slots=3, max_len=MAX_LEN, block_size=4)
+    by_block = cache.kv.view(*cache.kv.shape[:3], -1, 4, cache.kv.shape[-1])
+    [a] = cache.allocate(1, tokens=4)
+    cache.kv.normal_()
+    content = by_block[:, :, :, cache.blocks_of(a)[0]].clone()
+    cache.register(a, 0, "a0")
+    cache.free(a)  # a's first block (its home's first) stays cached, free
+    [again] = cache.allocate(1, tokens=4)  # the same row grows into its home again
+    moved = cache.pool.lookup("a0")
+    assert again == a and moved not in cache.blocks_of(a) and cache.pool.evictions == 0
+    # It moved to the lowest free block: the row's own next home block, which it now grows into.
+    assert cache.ensure(a, 8) and cache.blocks_of(a)[1] == moved
+    assert cache.pool.lookup("a0") not in (moved, *cache.blocks_of(a)) and cache.pool.evictions == 0
+    cache.sync_tables()  # what a forward runs first
+    assert torch.equal(by_block[:, :, :, cache.pool.lookup("a0")], content)
+    assert not held_twice_or_free_wrongly(cache)
+
+
 def held_twice_or_free_wrongly(cache: KVCache) -> bool:
     """Whether some block's count of rows holding it is wrong, or a block is both held and free."""
     counts = torch.zeros(cache.num_blocks + 1, dtype=torch.long)
