@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 import time
 
@@ -31,7 +30,7 @@ from model.gpt2 import GPT2
 from model.kv_cache import KVCache, blocks_for, bytes_per_token
 from service.inprocess import Engine, EngineConfig
 from service.engine.types import GenerationRequest, SamplingParams
-from weights.checkpoint import load_model
+from weights.checkpoint import build_model, load_model
 from weights.random_init import init_state
 from weights.tokenizer import GPT2Tokenizer
 
@@ -45,26 +44,10 @@ def small_model() -> GPT2:
     return model.eval()
 
 
-@torch.no_grad()
 def random_model(config: GPT2Config, device: str, dtype: torch.dtype) -> GPT2:
-    """GPT-2's initialisation (weights/random_init.py's) drawn on the device: a 1.5B model in
-    seconds, where drawing it on a host's CPU and copying it over takes minutes."""
-    with torch.device(device):
-        model = GPT2(config)
-    generator = torch.Generator(device=device).manual_seed(0)
-    residual_std = config.initializer_range / math.sqrt(2 * config.n_layer)
-    for name, param in model.named_parameters():
-        leaf = name.rsplit(".", 1)[-1]
-        if ".ln_" in f".{name}":
-            param.fill_(1.0 if leaf == "weight" else 0.0)
-        elif leaf == "bias":
-            param.zero_()
-        else:
-            param.normal_(0.0, residual_std if name.endswith("c_proj.weight") else config.initializer_range,
-                          generator=generator)
-    model = model.to(dtype).eval().requires_grad_(False)
-    model.prepare()
-    return model
+    """GPT-2's initialisation drawn on the device (weights/random_init.py), no files written."""
+    state = {name: tensor.to(dtype) for name, tensor in init_state(config, seed=0, device=device).items()}
+    return build_model(GPT2, config, state, device)
 
 
 def engine_for(model: GPT2, max_batch_size: int, fraction: float | None = None) -> Engine:

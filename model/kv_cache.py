@@ -200,7 +200,7 @@ class KVCache:
         previous = int(self.tables[slot, held - 1]) if held else None
         for index in range(held, held + needed):
             if self.homes:
-                block = self._take_home(1 + slot * self.blocks_per_row + index)
+                block = self._take_home(self._home(slot, index))
             else:
                 block = self.pool.take(previous + 1 if previous is not None else None)
             self.tables[slot, index] = previous = block
@@ -250,19 +250,22 @@ class KVCache:
         """The row's first home blocks, holding copies of `blocks` (those lying there already
         held as they are). One copy of all: every source is read before any block is written,
         so a source taken as another's destination (evicted from the cache) is still copied whole."""
-        home = 1 + slot * self.blocks_per_row
         mine, sources, copies = [], [], []
         for index, block in enumerate(blocks):
-            if block == home + index:
+            if block == self._home(slot, index):
                 self.pool.hold([block])
                 mine.append(block)
                 continue
-            mine.append(self._take_home(home + index))
+            mine.append(self._take_home(self._home(slot, index)))
             sources.append(block)
             copies.append(mine[-1])
         if copies:
             self._copy_blocks(sources, copies)
         return mine
+
+    def _home(self, slot: int, index: int) -> int:
+        """Row `slot`'s index-th home block: the one a fixed slot's cache gave that position."""
+        return 1 + slot * self.blocks_per_row + index
 
     def _take_home(self, block: int) -> int:
         """A row's home block, or another free one where a row holds it. A prefix cached there
@@ -294,7 +297,7 @@ class KVCache:
             return False
         old = self.tables[slot, shared].tolist()
         # Into the row's home blocks where free, as `ensure` grows it: the row stays one run (a view).
-        new = [self._take_home(1 + slot * self.blocks_per_row + index) if self.homes else self.pool.take()
+        new = [self._take_home(self._home(slot, index)) if self.homes else self.pool.take()
                for index in shared]
         self.refs[old] -= 1
         self.tables[slot, shared] = new

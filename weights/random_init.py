@@ -23,15 +23,18 @@ def init_state(
     progress: bool = False,
     model_class: type[nn.Module] = GPT2,
     scale_residual: bool = True,
+    device: str | torch.device = "cpu",
 ) -> dict[str, torch.Tensor]:
     """GPT-2's initialisation (transformers' GPT2PreTrainedModel._init_weights), seeded.
 
     Weights and embeddings ~ N(0, 0.02); residual projections (attn.c_proj, mlp.c_proj) scaled
     by 1/sqrt(2·n_layer) when `scale_residual` (GPT-1's init does not); biases 0; LayerNorm
     gain 1, shift 0. The same seed and config give the same tensors on every machine (CPU
-    generator, fixed parameter order). `model_class(config)` names the parameters.
+    generator, fixed parameter order). `model_class(config)` names the parameters. `device`:
+    drawn there by its own generator instead (a 1.5B model in seconds on a GPU, minutes on a
+    host's CPU; the same tensors from one machine to another of that kind only).
     """
-    generator = torch.Generator().manual_seed(seed)
+    generator = torch.Generator(device=device).manual_seed(seed)
     with torch.device("meta"):
         shapes = {name: p.shape for name, p in model_class(config).named_parameters()}
     residual_std = config.initializer_range / (math.sqrt(2 * config.n_layer) if scale_residual else 1.0)
@@ -39,12 +42,12 @@ def init_state(
     for name, shape in tqdm(shapes.items(), desc="random init", disable=not progress):
         leaf = name.rsplit(".", 1)[-1]
         if ".ln_" in f".{name}":
-            state[name] = torch.ones(shape) if leaf == "weight" else torch.zeros(shape)
+            state[name] = torch.ones(shape, device=device) if leaf == "weight" else torch.zeros(shape, device=device)
         elif leaf == "bias":
-            state[name] = torch.zeros(shape)
+            state[name] = torch.zeros(shape, device=device)
         else:
             std = residual_std if name.endswith("c_proj.weight") else config.initializer_range
-            state[name] = torch.randn(shape, generator=generator) * std
+            state[name] = torch.randn(shape, generator=generator, device=device) * std
     return state
 
 
