@@ -50,6 +50,10 @@ log = logging.getLogger(__name__)
 
 # While idle, wake this often to notice a dead HTTP process.
 IDLE_POLL_MS = 500
+# After a step that computed nothing (its requests wait on a grammar compiling on its own thread),
+# wait this long for messages before the next: stepping at once spun hundreds of empty steps per
+# compile, holding the GIL the compile wants.
+WAITING_POLL_MS = 1
 
 
 @dataclass(frozen=True)
@@ -125,10 +129,13 @@ class CoreLoop:
         self.poller.register(inputs, zmq.POLLIN)
         self.stopping = False
         self.deadline: float | None = None
+        self.sent: StepStats | None = None  # the stats of the last step sent
 
     def run(self) -> str:
+        waiting = False  # the last step computed nothing
         while True:
-            self._take_messages(block=not self.core.has_work() and not self.stopping)
+            idle = not self.core.has_work() and not self.stopping
+            self._take_messages(IDLE_POLL_MS if idle else WAITING_POLL_MS if waiting else 0)
             if os.getppid() != self.parent_pid:
                 return "the HTTP process is gone"
             if self.stopping:
@@ -138,10 +145,13 @@ class CoreLoop:
                 if not self.core.has_work():
                     return "shut down"
             if self.core.has_work():
-                self._send(self.core.step())
+                step = self.core.step()
+                waiting = not step.tokens.token_ids and step.computed_nothing()
+                # An empty step is news only when it moved a gauge (a request admitted to wait).
+                if not waiting or self.sent is None or step.stats.gauges() != self.sent.gauges():
+                    self._send(step)
 
-    def _take_messages(self, block: bool) -> None:
-        timeout = IDLE_POLL_MS if block else 0
+    def _take_messages(self, timeout: int) -> None:
         while self.poller.poll(timeout):
             self._answer(self.inputs.recv())
             timeout = 0
@@ -210,6 +220,7 @@ class CoreLoop:
                 self.deadline = time.monotonic() + message.timeout
 
     def _send(self, step: CoreStep) -> None:
+        self.sent = step.stats
         if self.owners is None:  # the one HTTP process is our parent: each step's message goes there
             self.outputs[0].send(encoder.encode(CoreOutput(step)))
             return

@@ -243,6 +243,14 @@ class StepStats:
             return self.kv_blocks_used / self.kv_blocks_total
         return self.kv_slots_used / self.kv_slots_total
 
+    def gauges(self) -> tuple[int, ...]:
+        return self.running, self.waiting, self.kv_slots_used, self.kv_blocks_used
+
+    def counted_anything(self) -> bool:
+        return any((self.batch_size, self.prefill_tokens, self.decode_tokens, self.finished, self.cached_prompt_tokens,
+                    self.decode_output_tokens, self.draft_tokens, self.prefix_hits, self.prefix_evictions,
+                    self.preemptions))
+
 
 @dataclass
 class CoreStep:
@@ -253,3 +261,8 @@ class CoreStep:
     done: list[RequestDone]
     failed: list[RequestFailed]
     stats: StepStats
+
+    def computed_nothing(self) -> bool:
+        """Nothing ran and nothing ended or started: the step waited on work off the loop (a
+        grammar compiling on its own thread)."""
+        return not (self.tokens.token_ids or self.started or self.done or self.failed or self.stats.counted_anything())

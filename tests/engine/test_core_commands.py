@@ -4,6 +4,8 @@ unloaded while nothing runs is freed at once, not at some later step."""
 
 from __future__ import annotations
 
+import threading
+
 import msgspec
 import pytest
 import zmq
@@ -98,3 +100,47 @@ def test_an_adapter_unloaded_while_idle_is_freed_at_once(loop, tiny_model_dir, t
     assert "c" not in loop.core.adapters.set and not loop.core.adapters.unloading  # freed with no step after
     loop._answer(encoder.encode(AdapterCommand(ticket=3, name="c", folder=str(folder))))
     assert sent(loop)[-1].error is None and "c" in sent(loop)[-1].names
+
+
+class Poller:
+    """Stands for the loop's poller: no message ever arrives; records each wait."""
+
+    def __init__(self, on_poll) -> None:
+        self.timeouts: list[int] = []
+        self.on_poll = on_poll
+
+    def poll(self, timeout: int) -> list:
+        self.timeouts.append(timeout)
+        self.on_poll(len(self.timeouts))
+        return []
+
+
+def test_steps_waiting_on_a_grammar_compile_wait_for_messages_and_are_sent_once(loop, monkeypatch):
+    """While a request's grammar compiles on its thread, steps compute nothing: the loop waits a
+    little before each next step (it spun at once before: hundreds of empty steps holding the GIL
+    the compile wants), and sends such a step only when it moved a gauge."""
+    import llguidance
+
+    from service.engine import process
+
+    grammars = loop.core.grammars
+    compiled = threading.Event()
+    build = grammars._build
+    monkeypatch.setattr(grammars, "_build", lambda grammar: (compiled.wait(10), build(grammar))[1])
+    empty_steps = 5
+    steps = []
+    step = loop.core.step
+    monkeypatch.setattr(loop.core, "step", lambda: steps.append(step()) or steps[-1])
+    loop.poller = Poller(lambda polls: compiled.set() if len(steps) >= empty_steps and not compiled.is_set() else None)
+    monkeypatch.setattr(process.os, "getppid", lambda: loop.parent_pid)
+    loop.core.submit([make_request(random_prompt(4, seed=3), "constrained", max_new_tokens=4,
+                                   grammar=llguidance.grammar_from("regex", "[a-z]{1,8}"))])
+    loop.stopping = True  # the loop returns once the request is done
+    assert loop.run() == "shut down"
+    waiting = [i for i, s in enumerate(steps) if s.computed_nothing()]
+    assert len(waiting) >= empty_steps and not steps[-1].computed_nothing()
+    # The poll before step i follows step i - 1: after each empty step the loop waited.
+    assert all(loop.poller.timeouts[i + 1] >= 1 for i in waiting)  # milliseconds
+    outputs = [m.step for m in sent(loop) if isinstance(m, CoreOutput)]
+    assert sum(s.computed_nothing() for s in outputs) == 1  # the first: the request now counts as running
+    assert [d.request_id for s in outputs for d in s.done] == ["constrained"]
