@@ -34,10 +34,10 @@ from weights.checkpoint import load_model
 class GreedyStep:
     """Buffers a step reads and writes in place, so the step can be one graph."""
 
-    def __init__(self, model, batch: int, start: int, steps: int) -> None:
+    def __init__(self, model, batch: int, start: int, steps: int, decode_attention: str = "gather") -> None:
         config = model.config
         self.model, self.start = model, start
-        self.cache = KVCache(config, batch, config.n_positions, model.device, model.dtype)
+        self.cache = KVCache(config, batch, config.n_positions, model.device, model.dtype, decode_attention=decode_attention)
         self.rows = self.cache.batch(self.cache.allocate(batch))  # rows with their blocks
         buckets = ladder(config.n_positions, min(SMALLEST_LENGTH_BUCKET, config.n_positions))
         self.kv_length = next_size(buckets, start + steps)
@@ -70,9 +70,9 @@ def captured(step: GreedyStep):
 
 
 @torch.inference_mode()
-def anchor_rate(model, batch: int, start: int, steps: int, reps: int) -> dict:
+def anchor_rate(model, batch: int, start: int, steps: int, reps: int, decode_attention: str = "gather") -> dict:
     """tok/s and ms per step of `steps` greedy steps at `batch` rows, the best of `reps` runs."""
-    step = GreedyStep(model, batch, start, steps)
+    step = GreedyStep(model, batch, start, steps, decode_attention)
     run = captured(step) if model.device.type == "cuda" else step
     seconds = []
     for _ in range(reps + 1):
@@ -85,7 +85,7 @@ def anchor_rate(model, batch: int, start: int, steps: int, reps: int) -> dict:
         seconds.append(time.perf_counter() - began)
     best = min(seconds[1:])  # the first run warms up
     return {"batch": batch, "tokens_per_s": batch * steps / best, "ms_per_step": best / steps * 1e3,
-            "kv_length": step.kv_length, "graph": model.device.type == "cuda"}
+            "kv_length": step.kv_length, "graph": model.device.type == "cuda", "decode_attention": decode_attention}
 
 
 def synchronize(device: torch.device) -> None:
@@ -93,11 +93,13 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def measure(model_dir: Path, device: str, dtype: str, batches: list[int], start: int, steps: int, reps: int) -> list[dict]:
-    model = load_model(model_dir, device=device, dtype=DTYPES[dtype])
+def measure(model_dir: Path, device: str, dtype: str, batches: list[int], start: int, steps: int, reps: int,
+            decode_attention: str = "gather", model=None) -> list[dict]:
+    """`decode_attention`: the engine's option (model/paged_attention.py); the default is the anchor."""
+    model = model or load_model(model_dir, device=device, dtype=DTYPES[dtype])
     rows = []
     for batch in batches:
-        rows.append(anchor_rate(model, batch, start, steps, reps))
+        rows.append(anchor_rate(model, batch, start, steps, reps, decode_attention))
         if device == "cuda":
             torch.cuda.empty_cache()  # each batch's cache is its own; the next starts from a clean pool
     return rows
@@ -112,14 +114,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--start", type=int, default=16, help="each row's position before its first step")
     parser.add_argument("--steps", type=int, default=128, help="decode steps per run (new tokens per row)")
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--decode-attention", choices=("gather", "paged"), default="gather",
+                        help="how attention reads the cache's blocks (paged: the Triton kernel; CUDA)")
     parser.add_argument("--json", type=Path, default=None, help="write the rows here")
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    rows = measure(args.model_dir, args.device, args.dtype, args.batch, args.start, args.steps, args.reps)
-    print(f"{args.model_dir}, {args.device} {args.dtype}: one greedy decode step"
+    rows = measure(args.model_dir, args.device, args.dtype, args.batch, args.start, args.steps, args.reps,
+                   args.decode_attention)
+    print(f"{args.model_dir}, {args.device} {args.dtype}, {args.decode_attention} attention: one greedy decode step"
           f"{' as one CUDA graph' if args.device == 'cuda' else ' (eager: no graphs on the CPU)'}, {args.steps} steps from position {args.start}")
     print(f"{'batch':>6s} {'tok/s':>12s} {'ms/step':>9s} {'keys read':>10s}")
     for row in rows:

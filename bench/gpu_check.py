@@ -8,8 +8,11 @@ Parts, in order, each in a process of its own with its own time limit (a slow pa
 the rest; a crash or a timeout is reported in its row, never fatal to the check):
 - lane: the CUDA lane, `GPT2_TEST_DEVICE=cuda pytest tests/model tests/engine tests/analysis`;
 - anchor: bench/cuda_anchor.py, one greedy decode step as one CUDA graph, tok/s per batch size;
+  then the same steps with the paged attention kernel (model/paged_attention.py), side by side;
 - serve: the real server over HTTP (bench/bench_serve.py's clients) at each client count, each
   figure also as a ratio to the anchor at the same batch size;
+- serve-paged: the same with `--decode-attention paged` (these two parts and the anchor's pair
+  are what the CUDA default is to be chosen by);
 - xl-streams: bench/kv_blocks.py, a random GPT-2 XL (1.5B) at --dtype with the service's KV budget on
   a GPU (0.8 of the memory free after the weights) and --max-batch-size 512: 512 streams of 128
   in / 128 out submitted at once, the largest decode batch and preemptions counted by the engine;
@@ -72,8 +75,9 @@ STREAM_INTERVAL = 4  # the stream-interval part's: tokens per write
 # serve 30, api-servers 54, quantize 23; the three bench scripts start two servers each (~21 s apiece).
 PARTS = [
     Part("lane", 180, "the CUDA lane: tests/model, tests/engine, tests/analysis on the device"),
-    Part("anchor", 20, "one greedy decode step as one CUDA graph, replayed (bench/cuda_anchor.py)"),
+    Part("anchor", 35, "one greedy decode step as one CUDA graph, replayed (bench/cuda_anchor.py); again with paged attention"),
     Part("serve", 60, "streaming clients over HTTP against one server (bench/bench_serve.py)"),
+    Part("serve-paged", 60, "the serve part with --decode-attention paged (model/paged_attention.py)"),
     Part("xl-streams", 120, "512 concurrent 128/128 streams of a random GPT-2 XL in the GPU's KV budget (bench/kv_blocks.py)"),
     Part("overlap", 60, "the engine core alone, overlap off against on, and its synchronising calls per step (bench/bench_overlap.py)"),
     Part("api-servers", 85, "--api-servers 1 against 4 at the largest client count"),
@@ -114,10 +118,27 @@ def pytest_summary(output: str) -> dict:
 
 
 def part_anchor(cfg: Config) -> dict:
-    from bench.cuda_anchor import measure
+    """The anchor (the engine's default attention, gather), then the same steps with the paged
+    kernel (model/paged_attention.py): how the default is to be chosen. The paged rows' failure
+    is reported beside the anchor, not instead of it."""
+    import torch
 
-    return {"rows": measure(cfg.model_dir, cfg.device, cfg.dtype, cfg.clients, start=16, steps=cfg.new_tokens,
-                            reps=1 if cfg.smoke else 3)}
+    from bench.cuda_anchor import measure
+    from model.config import DTYPES
+    from model.paged_attention import paged_available
+    from weights.checkpoint import load_model
+
+    model = load_model(cfg.model_dir, device=cfg.device, dtype=DTYPES[cfg.dtype])
+    options = {"start": 16, "steps": cfg.new_tokens, "reps": 1 if cfg.smoke else 3, "model": model}
+    result = {"rows": measure(cfg.model_dir, cfg.device, cfg.dtype, cfg.clients, **options)}
+    if not paged_available(torch.device(cfg.device)):
+        result["paged_error"] = "not available here (needs CUDA and Triton)"
+        return result
+    try:
+        result["paged_rows"] = measure(cfg.model_dir, cfg.device, cfg.dtype, cfg.clients, decode_attention="paged", **options)
+    except Exception as exc:  # the kernel's compile or launch: the anchor still stands
+        result["paged_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    return result
 
 
 def served_row(clients: int, stats) -> dict:
@@ -163,6 +184,15 @@ def part_serve(cfg: Config, stream_interval: int = 1, clients: list[int] | None 
 
 def part_stream_interval(cfg: Config) -> dict:
     return part_serve(cfg, STREAM_INTERVAL, cfg.clients[-2:])
+
+
+def part_serve_paged(cfg: Config) -> dict:
+    """The serve part with `--decode-attention paged` (a setting's environment variable: the
+    server this part process starts inherits it). Elsewhere (a smoke run) nothing: it is a CUDA kernel."""
+    if cfg.device != "cuda":
+        return {"skipped": "paged attention is a CUDA kernel: not run on the CPU"}
+    os.environ["GPT2_DECODE_ATTENTION"] = "paged"
+    return part_serve(cfg) | {"decode_attention": "paged"}
 
 
 def http_pids(server) -> list[int]:
@@ -279,7 +309,7 @@ def part_quantize(cfg: Config) -> dict:
 
 RUNNERS = {"lane": part_lane, "anchor": part_anchor, "serve": part_serve, "xl-streams": part_xl_streams, "overlap": part_overlap, "api-servers": part_api_servers,
            "spectrum": part_spectrum, "prefix": part_prefix, "speculative": part_speculative, "quantize": part_quantize,
-           "stream-interval": part_stream_interval}
+           "stream-interval": part_stream_interval, "serve-paged": part_serve_paged}
 
 
 # --- the check: each part in its own process, bounded ------------------------------------------

@@ -28,9 +28,13 @@ def lane(result: dict) -> str:
 
 
 def anchor(result: dict) -> str:
-    return table(["batch", "tok/s", "ms per step", "keys read", "CUDA graph"],
+    """The anchor's rows (gather attention), and beside them the paged kernel's on the same steps."""
+    paged = {r["batch"]: r["tokens_per_s"] for r in result.get("paged_rows", [])}
+    text = table(["batch", "tok/s", "ms per step", "keys read", "CUDA graph", "paged tok/s", "paged / gather"],
                  [[str(r["batch"]), f"{r['tokens_per_s']:,.0f}", f"{r['ms_per_step']:.3f}", str(r["kv_length"]),
-                   "yes" if r["graph"] else "no (eager)"] for r in result["rows"]])
+                   "yes" if r["graph"] else "no (eager)", f"{paged[r['batch']]:,.0f}" if r["batch"] in paged else "-",
+                   ratio(paged[r["batch"]], r["tokens_per_s"]) if r["batch"] in paged else "-"] for r in result["rows"]])
+    return text + (f"\n\nPaged attention: {result['paged_error']}" if "paged_error" in result else "")
 
 
 def serve(result: dict, anchors: dict[int, float]) -> str:
@@ -78,6 +82,7 @@ def markdown(report: dict) -> str:
            table(["part", "status", "seconds", "limit s", "what"],
                  [[r["part"], r["status"], f"{r['seconds']:.0f}", f"{r['limit_s']:.0f}", r["what"]] for r in report["parts"]])]
     render = {"lane": lane, "anchor": anchor, "serve": lambda r: serve(r, anchors), "stream-interval": lambda r: serve(r, anchors),
+              "serve-paged": lambda r: r["skipped"] if "skipped" in r else serve(r, anchors),
               "api-servers": lambda r: api_servers(r, anchors), "spectrum": script, "prefix": script,
               "speculative": script, "overlap": script, "xl-streams": script, "quantize": quantize}
     for name, row in parts.items():

@@ -83,6 +83,8 @@ class AttentionInputs:
     row_spans: list[tuple[int, int]] | None = None
     # CPU decode: where each row's own keys lie, so each layer reads only those (`KVCache.read_rows`).
     row_reads: RowReads | None = None
+    # CUDA decode with "paged" attention: the keys each row reads, [B] (`KVCache.attend_decode`).
+    decode_lengths: torch.Tensor | None = None
     # A prefill's queries in blocks at fixed positions (`attend_in_blocks`); otherwise each query its
     # own call, as a decode step runs it (decode, speculative verification).
     query_blocks: bool = False
@@ -152,6 +154,10 @@ class CausalSelfAttention(nn.Module):
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # 3 × [B, H, T, d_h], views
         if ctx.cache is not None:
             ctx.cache.write(self.layer_index, ctx.rows, ctx.positions, qkv[:, :, 1:])
+            if ctx.decode_lengths is not None:  # read in place from the blocks: [B, H, d_h]
+                y = ctx.cache.attend_decode(self.layer_index, q[:, :, 0], ctx.rows, ctx.decode_lengths,
+                                            self.attend.scale_for(self.head_dim))
+                return project(self.c_proj, y.view(B, T, C), ctx.lora), None
             if ctx.row_reads is not None:  # each row's own keys and values: B × [1, H, L_b, d_h]
                 k, v = ctx.cache.read_rows(self.layer_index, ctx.row_reads)
             else:
@@ -366,16 +372,22 @@ class GPT2(nn.Module):
             raise ValueError("a cache needs the rows' slots")
         if kv_length is None:
             kv_length = int(positions.max()) + 1 if cache is not None else T
-        # CPU decode attends row by row over each row's own keys 0..p: no mask to build.
-        by_row = cache is not None and T == 1 and exact_kv_length and not output_attentions and input_ids.device.type == "cpu"
+        # CPU decode attends row by row over each row's own keys 0..p: no mask to build; nor does
+        # CUDA decode with paged attention, which reads each row's keys through its block table.
+        paged = cache is not None and T == 1 and not output_attentions and cache.decode_attention == "paged"
+        by_row = cache is not None and T == 1 and exact_kv_length and not output_attentions and input_ids.device.type == "cpu" \
+            and not paged
         ctx = AttentionInputs(
             positions=positions,
-            mask=None if by_row else self._attention_mask(positions, kv_length, cached=cache is not None, exact=exact_kv_length),
+            mask=None if by_row or paged else self._attention_mask(positions, kv_length, cached=cache is not None, exact=exact_kv_length),
             kv_length=kv_length,
             cache=cache,
             rows=rows,
             want_probs=output_attentions,
         )
+        if paged:
+            # Keys 0..p, at most kv_length: a static step's padding rows (graphs.py) read its bucket.
+            ctx.decode_lengths = (positions[:, 0] + 1).clamp(max=kv_length)  # [B]
         if by_row:
             ctx.row_spans = [(1, position + 1) for position in positions[:, 0].tolist()]  # decode: keys 0..p
             ctx.row_reads = cache.row_reads(rows, [length for _, length in ctx.row_spans])

@@ -21,6 +21,7 @@ import torch
 
 from model.block_pool import BlockPool
 from model.config import GPT2Config
+from model.paged_attention import check_decode_attention, paged_decode
 from model.transfer import to_device
 
 # Positions per block. Measured on the CPU (docs/engine.md, "KV cache"): gathering one layer of
@@ -85,11 +86,14 @@ class KVCache:
         dtype: torch.dtype = torch.float32,
         num_blocks: int | None = None,
         block_size: int = BLOCK_SIZE,
+        decode_attention: str = "gather",
     ) -> None:
         if not 1 <= max_len <= config.n_positions:
             raise ValueError(f"max_len must be in [1, {config.n_positions}], got {max_len}")
         if max_slots < 1:
             raise ValueError(f"max_slots must be at least 1, got {max_slots}")
+        check_decode_attention(decode_attention, torch.device(device))
+        self.decode_attention = decode_attention  # a CUDA decode step's reads (model/paged_attention.py)
         self.block_size = block_size
         self.blocks_per_row = blocks_for(max_len, block_size)
         num_blocks = max_slots * self.blocks_per_row if num_blocks is None else num_blocks
@@ -405,6 +409,13 @@ class KVCache:
         H, B = self.kv.shape[2], table.shape[0]
         gathered = out.view(2, H, B, -1, self.head_dim).transpose(1, 2)[:, :, :, :length]  # [2, B, H, length, d_h]
         return gathered[0], gathered[1]
+
+    def attend_decode(self, layer: int, q: torch.Tensor, rows: SlotBatch, lengths: torch.Tensor, scale: float) -> torch.Tensor:
+        """One query per row, q [B, H, d_h], over the row's first lengths[b] positions, read from
+        its blocks in place ("paged" decode attention): [B, H, d_h]."""
+        self.sync_tables()
+        tables = self.device_tables[rows.span if rows.span is not None else rows.ids]  # [B, blocks per row]
+        return paged_decode(q, self.kv[layer], tables, lengths, scale, self.block_size)
 
     def row_reads(self, rows: SlotBatch, lengths: list[int]) -> RowReads:
         """Where each row's first lengths[b] positions are. Each row is looked at alone, so a row

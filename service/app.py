@@ -110,6 +110,7 @@ def core_config(settings: Settings, context_length: int, eos_token_id: int) -> C
         prefix_caching=settings.prefix_caching,
         speculative=settings.speculation,
         static_decode=settings.cuda_graphs and settings.device == "cuda",
+        decode_attention=settings.decode_attention,
         overlap={"auto": None, "on": True, "off": False}[settings.overlap],
         adapters=settings.adapters,
     )

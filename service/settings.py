@@ -48,6 +48,11 @@ class Settings(BaseSettings):
     )
     threads: int | None = Field(None, ge=1, description="torch intra-op threads (CPU); default: torch's choice")
     cuda_graphs: bool = Field(True, description="on CUDA, replay decode steps as CUDA graphs captured at start-up")
+    decode_attention: Literal["gather", "paged"] = Field(
+        "gather", description="on CUDA, how a decode step's attention reads the KV cache's blocks: gather (each row's"
+        " blocks copied out, then PyTorch's attention) or paged (a Triton kernel reading them in place); the CPU"
+        " always attends row by row",
+    )
     overlap: Literal["auto", "on", "off"] = Field(
         "auto", description="launch each engine step before reading the previous one's tokens, hiding the host's "
         "work behind the device's; auto: on for CUDA (on a CPU it only delays tokens by a step)"
@@ -186,6 +191,8 @@ class Settings(BaseSettings):
             raise ValueError(
                 f"speculative_ngram_min ({self.speculative_ngram_min}) exceeds speculative_ngram_max ({self.speculative_ngram_max})"
             )
+        if self.decode_attention == "paged" and self.device != "cuda":
+            raise ValueError("decode_attention 'paged' is a CUDA kernel: it needs --device cuda")
         if self.default_max_new_tokens > self.max_new_tokens:
             raise ValueError(
                 f"default_max_new_tokens ({self.default_max_new_tokens}) exceeds max_new_tokens ({self.max_new_tokens})"

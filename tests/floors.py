@@ -30,6 +30,11 @@ def declared(pyproject: Path = PYPROJECT) -> tuple[list[Requirement], list[Requi
             [Requirement(r) for r in project["optional-dependencies"]["test"]])
 
 
+def optional(extra: str, pyproject: Path = PYPROJECT) -> list[Requirement]:
+    """An extra's requirements, as pyproject.toml states them."""
+    return [Requirement(r) for r in tomllib.loads(pyproject.read_text())["project"]["optional-dependencies"][extra]]
+
+
 def floor(requirement: Requirement) -> str:
     """The version after `>=`; a requirement without exactly one floor is an error."""
     lower = [spec.version for spec in requirement.specifier if spec.operator == ">="]

@@ -70,6 +70,8 @@ class EngineConfig:
     # Decode with static shapes (graphs.py): captured as CUDA graphs on a GPU, run eagerly
     # elsewhere (tests prove the static path's tokens on the CPU).
     static_decode: bool = False
+    # How a CUDA decode step's attention reads the cache's blocks (model/paged_attention.py).
+    decode_attention: str = "gather"
     # Speculative decoding from n-gram drafts (speculation.py); None: off.
     speculative: NgramSettings | None = None
     # LoRA adapters loaded at start-up: (name, peft folder) pairs (model/lora.py).
@@ -124,7 +126,8 @@ class EngineCore:
         max_len = config.max_len or model.config.n_positions
         free = device_free_bytes(self.device)
         self.cache = KVCache(model.config, config.max_slots, max_len, self.device, model.dtype,
-                             num_blocks=kv_blocks(config, max_len, model.config, model.dtype, free))
+                             num_blocks=kv_blocks(config, max_len, model.config, model.dtype, free),
+                             decode_attention=config.decode_attention)
         self.scheduler = Scheduler(self.cache, config.max_waiting, config.max_prefill_tokens, eos_token_id,
                                    config.prefix_caching, grammars, config.speculative)
         self.runner = ModelRunner(self.model, self.cache, eos_token_id, grammars, config.speculative,
