@@ -49,6 +49,7 @@ import torch
 from bench import llama_cpp_bench
 from bench.common import describe_machine, load_both
 from bench.llama_cpp import BUILD_ROOT, TOOLS, convert
+from bench import serve_clients as serve_clients_module
 from bench.serve_against import compare_checkouts
 from bench.serve_clients import (ClientStats, Server, drive_clients, long_prompts, percentile, prefill_rate, prompt_texts,
                                  serve_clients)
@@ -102,6 +103,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=None, help="torch threads of the engine (both sides)")
     parser.add_argument("--clients", type=int, nargs="+", default=None, help="default: 1 32 (CPU), 1 16 64 256 (CUDA)")
     parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--top-p", type=float, default=None,
+                        help="clients sample with this top_p (do_sample, temperature 1) instead of greedy; --against only")
     parser.add_argument("--requests-per-client", type=int, default=1)
     parser.add_argument("--prompt-words", type=int, default=8, help="shortest prompt, in words")
     parser.add_argument("--reference-batch", type=int, default=None, help="generate()'s static batch; default 8 on CPU, C on CUDA")
@@ -150,7 +153,11 @@ def main() -> None:
     slots = max(args.clients)
     texts = prompt_texts(max(slots, 17), args.prompt_words)
     if args.against:
+        if args.top_p is not None:
+            serve_clients_module.EXTRA_PARAMETERS.update(do_sample=True, top_p=args.top_p)
         return compare_checkouts(args, texts)
+    if args.top_p is not None:
+        raise SystemExit("--top-p is for --against (the in-process references are greedy)")
     tokenizer = GPT2Tokenizer.from_dir(args.model_dir)
     prompts = [tokenizer.encode(t) for t in texts]
     prefill_texts = long_prompts(tokenizer, llama_cpp_bench.PREFILL_TOKENS, args.llama_cpp_repetitions + 1)

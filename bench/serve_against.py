@@ -22,7 +22,8 @@ def compare_checkouts(args: argparse.Namespace, texts: list[str]) -> None:
     print(describe_machine(), flush=True)
     print(f"old: {describe_checkout(args.against)}; new: {describe_checkout(Path(__file__).resolve().parents[1])}; "
           f"{args.model_dir}, {args.device} {args.dtype}, {args.new_tokens} new tokens per request, "
-          f"{args.requests_per_client} request(s) per client", flush=True)
+          f"{args.requests_per_client} request(s) per client"
+          + (f", sampled with top_p {args.top_p}" if getattr(args, "top_p", None) is not None else ", greedy"), flush=True)
     try:
         for name, checkout in checkouts.items():
             # One at a time, and given minutes: on the busy 2-core machine one 124M server took 80-120 s

@@ -79,8 +79,13 @@ class Server(ServiceProcess):
         return core_config(parse_settings(self.flags), max_len, eos_token_id).engine
 
 
+# What every request adds to its TGI parameters: bench_serve's --top-p makes them sampled (the
+# sampler's own cost then shows); greedy by default.
+EXTRA_PARAMETERS: dict = {}
+
+
 async def stream_one(http: httpx.AsyncClient, url: str, text: str, new_tokens: int, stats: ClientStats) -> None:
-    body = {"inputs": text, "parameters": {"max_new_tokens": new_tokens, "ignore_eos": True}}
+    body = {"inputs": text, "parameters": {"max_new_tokens": new_tokens, "ignore_eos": True, **EXTRA_PARAMETERS}}
     await stream_ids(http, url, body, stats)
 
 

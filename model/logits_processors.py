@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from model.vocab_sort import sort_ascending
+
 NO_TOKEN = -1  # padding in token tables: matches no token
 
 
@@ -102,7 +104,7 @@ def apply_typical_p(scores: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:
     # Stable: distances tie often (float32 surprises near the entropy sit on a grid of ~1e-6),
     # and tied tokens of different probability reach the mass in the order they are counted:
     # lowest id first, not whatever order the kernel leaves them in (transformers' unstable sort).
-    sorted_shifted, sorted_index = shifted.sort(dim=-1, stable=True)  # [B, V] ascending
+    sorted_shifted, sorted_index = sort_ascending(shifted)  # [B, V] ascending
     cumulative = scores.gather(-1, sorted_index).softmax(dim=-1).cumsum(dim=-1)  # [B, V]
     last = (cumulative < mass[:, None]).sum(dim=1).clamp(max=scores.shape[-1] - 1)  # [B]
     remove_sorted = sorted_shifted > sorted_shifted.gather(1, last[:, None])  # [B, V]

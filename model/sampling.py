@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from model.logits_processors import Controls, apply_controls, apply_warpers
+from model.vocab_sort import sort_ascending
 
 
 @dataclass
@@ -67,8 +68,7 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     # nucleus cuts through equal logits, the lowest ids stay. transformers' unstable sort leaves
     # that to the kernel, which orders ties differently by device and shape. The values run in
     # the same order either way, so the cumulative sums are transformers' to the bit.
-    descending, descending_index = logits.sort(dim=-1, descending=True, stable=True)
-    sorted_logits, sorted_index = descending.flip(-1), descending_index.flip(-1)  # [B, V] ascending
+    sorted_logits, sorted_index = sort_ascending(logits, ties_high_index_first=True)  # [B, V] ascending
     # The k-th largest value sits at ascending index V - k.
     kth_index = (vocab - top_k.clamp(1, vocab))[:, None]  # [B, 1]
     kth_largest = sorted_logits.gather(1, kth_index)  # [B, 1]

@@ -304,12 +304,15 @@ def cpu_features() -> list[Features]:
     ]
 
 
-def fuzz(models: Models, cases: int, seed: int, features: list[Features], out=sys.stdout) -> list[dict]:
-    """Run `cases` random cases; print and return the shrunk reproducer of each failure."""
+def fuzz(models: Models, cases: int, seed: int, features: list[Features], out=sys.stdout, skip: int = 0) -> list[dict]:
+    """Run `cases` random cases, the first `skip` drawn but not run (a run resumed); print and
+    return the shrunk reproducer of each failure."""
     rng = random.Random(seed)
     found = []
     for index in range(cases):
         case = random_case(rng, features)
+        if index < skip:
+            continue
         reason = failure(models, case)
         if reason is not None:
             small = shrink(models, case)
@@ -325,13 +328,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", type=int, default=10_000)
     parser.add_argument("--seed", type=int, default=None, help="default: a random one, printed")
+    parser.add_argument("--skip", type=int, default=0, help="resume a run: draw its first SKIP cases without running them")
     args = parser.parse_args()
     seed = args.seed if args.seed is not None else random.randrange(2**31)
     with tempfile.TemporaryDirectory() as folder:
         models = Models(write_fuzz_model(Path(folder)), torch.device("cpu"))
         started = time.monotonic()
-        print(f"fuzzing {args.cases} cases from seed {seed}", flush=True)
-        found = fuzz(models, args.cases, seed, cpu_features())
+        print(f"fuzzing {args.cases} cases from seed {seed}" + (f", from case {args.skip}" if args.skip else ""), flush=True)
+        found = fuzz(models, args.cases, seed, cpu_features(), skip=args.skip)
     print(f"{args.cases} cases, {len(found)} failures, {time.monotonic() - started:.0f} s")
     sys.exit(1 if found else 0)
 

@@ -40,6 +40,17 @@ def test_bounded_fuzz_finds_no_request_that_depends_on_its_neighbours(fuzz_model
     assert not found, report.getvalue()
 
 
+def test_a_resumed_run_runs_the_cases_the_whole_run_would_have_from_there(fuzz_models, monkeypatch):
+    import tests.engine.invariance_fuzz as harness  # noqa: PLC0415
+
+    ran = []
+    monkeypatch.setattr(harness, "failure", lambda models, case: ran.append(case))
+    fuzz(fuzz_models, 5, seed=7, features=cpu_features(), out=io.StringIO())
+    whole, ran[:] = list(ran), []
+    fuzz(fuzz_models, 5, seed=7, features=cpu_features(), out=io.StringIO(), skip=3)
+    assert ran == whole[3:]
+
+
 # --- the sampler alone, on the test device ------------------------------------------------------
 def random_rows(rng: random.Random, count: int, device: torch.device) -> tuple[torch.Tensor, list[dict]]:
     """Flat logits on a coarse grid (many exact ties, as a random model's near-uniform rows have)
