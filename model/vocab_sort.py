@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-INDEX_BITS = 31  # below the value's 32 order bits: an int64 key stays positive
+INDEX_BITS = 31  # below the value's 32 order bits (signed: the keys span [-2^62, 2^62))
 
 
 def sort_ascending(values: torch.Tensor, ties_high_index_first: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -30,11 +30,17 @@ def sort_ascending(values: torch.Tensor, ties_high_index_first: bool = False) ->
             return descending.flip(-1), index.flip(-1)
         return values.sort(dim=-1, stable=True)
     vocab = values.shape[-1]
-    bits = (values + 0.0).view(torch.int32).to(torch.int64)  # + 0.0 makes -0.0 into 0.0: equal, as torch has them
-    # The IEEE order as an integer in [0, 2^32): negatives' bits count down as they grow, positives' up.
-    order = torch.where(bits < 0, -1 - bits, bits + (1 << 31))  # [B, V]
-    position = torch.arange(vocab, dtype=torch.int64)
-    keys = (order << INDEX_BITS) | (vocab - 1 - position if ties_high_index_first else position)  # [B, V]
-    low = torch.from_numpy(np.sort(keys.numpy(), axis=-1)) & ((1 << INDEX_BITS) - 1)  # [B, V]
-    index = vocab - 1 - low if ties_high_index_first else low
+    # In numpy, in place: a fifth of the time torch's int64 operations took on these arrays.
+    bits = (values.numpy() + np.float32(0.0)).view(np.int32)  # + 0.0 makes -0.0 into 0.0: equal, as torch has them
+    # The IEEE order as a signed integer: a negative float's magnitude bits are flipped, so they
+    # count up as it grows.
+    bits ^= (bits >> 31) & np.int32(0x7FFFFFFF)
+    keys = bits.astype(np.int64)  # [B, V]
+    keys <<= INDEX_BITS
+    keys |= np.arange(vocab - 1, -1, -1) if ties_high_index_first else np.arange(vocab)
+    keys.sort(axis=-1)
+    keys &= (1 << INDEX_BITS) - 1
+    if ties_high_index_first:
+        np.subtract(vocab - 1, keys, out=keys)
+    index = torch.from_numpy(keys)  # [B, V]
     return values.gather(-1, index), index
