@@ -23,7 +23,8 @@ def sort_ascending(values: torch.Tensor, ties_high_index_first: bool = False) ->
 
     Equal values (-0.0 and 0.0 among them, as torch compares them) come lowest index first, or
     highest first with `ties_high_index_first` (the reverse of a stable descending sort). The
-    same tensors as torch's stable sort on every device, to the bit."""
+    same tensors as torch's stable sort on every device, to the bit. (A row holding a NaN may be
+    ordered otherwise on the CPU: its request fails on its non-finite logits anyway.)"""
     if values.device.type != "cpu" or values.dtype != torch.float32 or values.dim() != 2:
         if ties_high_index_first:
             descending, index = values.sort(dim=-1, descending=True, stable=True)
