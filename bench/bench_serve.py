@@ -49,7 +49,6 @@ import torch
 from bench import llama_cpp_bench
 from bench.common import describe_machine, load_both
 from bench.llama_cpp import BUILD_ROOT, TOOLS, convert
-from bench import serve_clients as serve_clients_module
 from bench.serve_against import compare_checkouts
 from bench.serve_clients import (ClientStats, Server, drive_clients, long_prompts, percentile, prefill_rate, prompt_texts,
                                  serve_clients)
@@ -153,8 +152,6 @@ def main() -> None:
     slots = max(args.clients)
     texts = prompt_texts(max(slots, 17), args.prompt_words)
     if args.against:
-        if args.top_p is not None:
-            serve_clients_module.EXTRA_PARAMETERS.update(do_sample=True, top_p=args.top_p)
         return compare_checkouts(args, texts)
     if args.top_p is not None:
         raise SystemExit("--top-p is for --against (the in-process references are greedy)")

@@ -27,6 +27,7 @@ import torch
 
 from model.config import DTYPES
 from model.kv_cache import KVCache
+from model.paged_attention import DECODE_ATTENTION
 from service.engine.graphs import SMALLEST_LENGTH_BUCKET, ladder, next_size
 from weights.checkpoint import load_model
 
@@ -114,7 +115,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--start", type=int, default=16, help="each row's position before its first step")
     parser.add_argument("--steps", type=int, default=128, help="decode steps per run (new tokens per row)")
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--decode-attention", choices=("gather", "paged"), default="gather",
+    parser.add_argument("--decode-attention", choices=DECODE_ATTENTION, default="gather",
                         help="how attention reads the cache's blocks (paged: the Triton kernel; CUDA)")
     parser.add_argument("--json", type=Path, default=None, help="write the rows here")
     return parser.parse_args(argv)

@@ -19,11 +19,12 @@ def compare_checkouts(args: argparse.Namespace, texts: list[str]) -> None:
     checkouts = {"old": args.against, "new": None}  # None: this one
     servers: dict[str, Server] = {}
     rates: dict[tuple[str, int], list[float]] = {}
+    sampled = args.top_p is not None  # bench_serve's --top-p: every request samples
     print(describe_machine(), flush=True)
     print(f"old: {describe_checkout(args.against)}; new: {describe_checkout(Path(__file__).resolve().parents[1])}; "
           f"{args.model_dir}, {args.device} {args.dtype}, {args.new_tokens} new tokens per request, "
           f"{args.requests_per_client} request(s) per client"
-          + (f", sampled with top_p {args.top_p}" if getattr(args, "top_p", None) is not None else ", greedy"), flush=True)
+          + (f", sampled with top_p {args.top_p}" if sampled else ", greedy"), flush=True)
     try:
         for name, checkout in checkouts.items():
             # One at a time, and given minutes: on the busy 2-core machine one 124M server took 80-120 s
@@ -38,7 +39,8 @@ def compare_checkouts(args: argparse.Namespace, texts: list[str]) -> None:
             order = alternating(list(servers), round_)
             for clients in args.clients:
                 for name in order:
-                    stats = serve_clients(servers[name], texts, clients, args.requests_per_client, args.new_tokens)
+                    stats = serve_clients(servers[name], texts, clients, args.requests_per_client, args.new_tokens,
+                                          {"do_sample": True, "top_p": args.top_p} if sampled else None)
                     rates.setdefault((name, clients), []).append(stats.tokens / stats.seconds)
                 old, new = rates["old", clients][-1], rates["new", clients][-1]
                 print(f"round {round_} ({order[0]} first) {clients:4d} clients: old {old:8.1f} tok/s, new {new:8.1f} tok/s,"

@@ -79,13 +79,10 @@ class Server(ServiceProcess):
         return core_config(parse_settings(self.flags), max_len, eos_token_id).engine
 
 
-# What every request adds to its TGI parameters: bench_serve's --top-p makes them sampled (the
-# sampler's own cost then shows); greedy by default.
-EXTRA_PARAMETERS: dict = {}
-
-
-async def stream_one(http: httpx.AsyncClient, url: str, text: str, new_tokens: int, stats: ClientStats) -> None:
-    body = {"inputs": text, "parameters": {"max_new_tokens": new_tokens, "ignore_eos": True, **EXTRA_PARAMETERS}}
+async def stream_one(http: httpx.AsyncClient, url: str, text: str, new_tokens: int, stats: ClientStats,
+                     parameters: dict | None = None) -> None:
+    """`parameters`: TGI parameters added to the greedy defaults (bench_serve's --top-p samples)."""
+    body = {"inputs": text, "parameters": {"max_new_tokens": new_tokens, "ignore_eos": True, **(parameters or {})}}
     await stream_ids(http, url, body, stats)
 
 
@@ -143,7 +140,8 @@ async def one_stream(url: str, text: str, stats: ClientStats) -> None:
         await stream_one(http, url, text, 1, stats)
 
 
-def serve_clients(server: Server, texts: list[str], clients: int, per_client: int, new_tokens: int) -> ClientStats:
+def serve_clients(server: Server, texts: list[str], clients: int, per_client: int, new_tokens: int,
+                  parameters: dict | None = None) -> ClientStats:
     """drive_clients, with the CPU time of the HTTP process, the engine core and these clients."""
     # With --api-servers N the first process only supervises: the HTTP processes are its children.
     http = [server.process.pid, *api_server_pids(server.process.pid)]
@@ -153,20 +151,21 @@ def serve_clients(server: Server, texts: list[str], clients: int, per_client: in
         return {name: sum(cpu_seconds(p) for p in group) for name, group in pids.items()} | {"clients": time.process_time()}
 
     before = cpu_now()
-    stats = asyncio.run(drive_clients(server.url, texts, clients, per_client, new_tokens))
+    stats = asyncio.run(drive_clients(server.url, texts, clients, per_client, new_tokens, parameters))
     after = cpu_now()
     stats.cpu = {name: after[name] - before[name] for name in before}
     return stats
 
 
-async def drive_clients(url: str, texts: list[str], clients: int, per_client: int, new_tokens: int) -> ClientStats:
+async def drive_clients(url: str, texts: list[str], clients: int, per_client: int, new_tokens: int,
+                        parameters: dict | None = None) -> ClientStats:
     stats = ClientStats()
     limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=clients + 4)
     async with httpx.AsyncClient(limits=limits, timeout=600) as http:
 
         async def client(index: int) -> None:
             for round_ in range(per_client):
-                await stream_one(http, url, texts[(index + round_ * clients) % len(texts)], new_tokens, stats)
+                await stream_one(http, url, texts[(index + round_ * clients) % len(texts)], new_tokens, stats, parameters)
 
         start = time.perf_counter()
         await asyncio.gather(*(client(i) for i in range(clients)))

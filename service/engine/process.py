@@ -146,6 +146,7 @@ class CoreLoop:
                     return "shut down"
             if self.core.has_work():
                 step = self.core.step()
+                # Tokens first: a step that streams tokens (the common one) calls nothing more.
                 waiting = not step.tokens.token_ids and step.computed_nothing()
                 # An empty step is news only when it moved a gauge (a request admitted to wait).
                 if not waiting or self.sent is None or step.stats.gauges() != self.sent.gauges():

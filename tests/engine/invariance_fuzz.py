@@ -211,7 +211,7 @@ IDLE_WAITS = 10_000  # 1 ms each: a compile under load may take seconds, not thi
 
 
 def idle(output) -> bool:
-    return not (output.stats.prefill_tokens or output.stats.decode_tokens or output.events or output.finished)
+    return not (output.events or output.finished or output.stats.counted_anything())
 
 
 def outcome(result) -> dict:
