@@ -22,6 +22,7 @@ from model.lora import LoraGroups, LoraRows
 from model.quantized import (
     QUANTIZE_MODES, QUANTIZED_WEIGHTS, Int8Rows, QuantizedWeight, block_weights, quantize_problem, rescore_candidates,
 )
+from model.transfer import to_device
 
 
 # The attention kernels scaled_dot_product_attention may choose, best first: flash (no mask),
@@ -218,6 +219,28 @@ class Block(nn.Module):
         return x, probs
 
 
+def rows_by_adapter(
+    input_ids: torch.Tensor, positions: torch.Tensor, rows: SlotBatch | None, logits_index: torch.Tensor | None, lora: LoraRows
+) -> tuple[torch.Tensor, torch.Tensor, SlotBatch | None, torch.Tensor | None, LoraRows, torch.Tensor | None]:
+    """The forward's per-row inputs reordered so each adapter's rows are consecutive
+    (`LoraRows.by_adapter`), and the order that puts its outputs back (None: unchanged). Every
+    row's computation is its own, so the order changes no bits; it spares each adapted layer
+    gathering its input and output (model/lora.py's LoraGroups)."""
+    grouped = lora.by_adapter()
+    if grouped is None:
+        return input_ids, positions, rows, logits_index, lora, None
+    order, lora = grouped
+    restore = [0] * len(order)
+    for place, row in enumerate(order):
+        restore[row] = place
+    order_t, restore_t = to_device([order, restore], input_ids.device)  # one copy
+    if rows is not None:
+        rows = SlotBatch(rows.ids.index_select(0, order_t), None)
+    if logits_index is not None:
+        logits_index = logits_index.index_select(0, order_t)
+    return input_ids.index_select(0, order_t), positions.index_select(0, order_t), rows, logits_index, lora, restore_t
+
+
 def run_blocks(
     blocks: nn.ModuleList, x: torch.Tensor, ctx: AttentionInputs, output_hidden_states: bool
 ) -> tuple[torch.Tensor, list[torch.Tensor] | None, list[torch.Tensor] | None]:
@@ -370,6 +393,9 @@ class GPT2(nn.Module):
             positions = torch.arange(T, device=input_ids.device).expand(B, T)  # [B, T]
         if cache is not None and rows is None:
             raise ValueError("a cache needs the rows' slots")
+        restore = None  # the batch's order, where its rows run grouped by adapter
+        if lora is not None and not (output_attentions or output_hidden_states):
+            input_ids, positions, rows, logits_index, lora, restore = rows_by_adapter(input_ids, positions, rows, logits_index, lora)
         if kv_length is None:
             kv_length = int(positions.max()) + 1 if cache is not None else T
         # CPU decode attends row by row over each row's own keys 0..p: no mask to build; nor does
@@ -398,6 +424,8 @@ class GPT2(nn.Module):
         x, hidden, attentions = run_blocks(self.h, x, ctx, output_hidden_states)
         if logits_index is not None:
             x = x[torch.arange(B, device=x.device), logits_index]  # [B, C]
+        if restore is not None:
+            x = x.index_select(0, restore)
         return head_output(self.ln_f(x), self.lm_head, apply_head, attentions, hidden)
 
     def forward_packed(

@@ -31,6 +31,7 @@ from model.lora_format import SITE_MODULES, AdapterError, LoraAdapter, read_adap
 from model.transfer import to_device
 
 BASE = -1  # a row's adapter index when it uses the base model alone
+EXPANDED_COUNTS = 256  # row counts whose expanded A and B each SiteDelta keeps
 
 
 @dataclass
@@ -50,15 +51,24 @@ class SiteDelta:
     scaling: float
 
     def __post_init__(self) -> None:
-        self._a_rows, self._b_rows = self.a_t[None], self.b_t[None]  # [1, in, r], [1, r, out]: views
+        # A and B expanded to m rows ([m, in, r], [m, r, out]: views), made once per row count:
+        # a decode step asks for the same few counts at every layer, step after step.
+        self._expanded: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def add_to(self, y: torch.Tensor, x: torch.Tensor) -> None:
         """y += the delta of x's rows, in place: x [m, 1, in], y [m, 1, out], a row per batch item."""
         m = x.shape[0]
-        low = torch.bmm(x, self._a_rows.expand(m, -1, -1))  # [m, 1, r]
+        expanded = self._expanded.get(m)
+        if expanded is None:
+            expanded = (self.a_t[None].expand(m, -1, -1), self.b_t[None].expand(m, -1, -1))
+            # Not in training, which builds its graph through fresh views; and a bounded number
+            # (prefill chunks bring many counts).
+            if not self.a_t.requires_grad and len(self._expanded) < EXPANDED_COUNTS:
+                self._expanded[m] = expanded
+        low = torch.bmm(x, expanded[0])  # [m, 1, r]
         # One kernel scales each row's product and adds it to the row: no [m, out] delta is
         # written and read back.
-        y.baddbmm_(low, self._b_rows.expand(m, -1, -1), alpha=self.scaling)
+        y.baddbmm_(low, expanded[1], alpha=self.scaling)
 
     @property
     def nbytes(self) -> int:
@@ -70,7 +80,12 @@ def tanh_gelu(y: torch.Tensor) -> torch.Tensor:
     the same function, and twice as fast on CPU as F.gelu's tanh form (PyTorch's tanh is slow
     there), for the adapted rows that cannot take the GELU fused into their product."""
     two_c = 2.0 * math.sqrt(2.0 / math.pi)
-    return y * torch.sigmoid((y * y * (0.044715 * two_c) + two_c) * y)
+    if y.requires_grad:  # training: autograd keeps each operation's own output
+        return y * torch.sigmoid((y * y * (0.044715 * two_c) + two_c) * y)
+    # Serving: the same operations in the same order (the same bits), in place on one temporary.
+    gate = y * y
+    gate.mul_(0.044715 * two_c).add_(two_c).mul_(y).sigmoid_()
+    return gate.mul_(y)
 
 
 class LoraConv1D(nn.Module):
@@ -240,6 +255,19 @@ class LoraRows:
     adapters: LoraSet
     adapter_of_row: list[int]
 
+    def by_adapter(self) -> tuple[list[int], LoraRows] | None:
+        """(order, the rows in that order): the batch's rows reordered so each adapter's are
+        consecutive, in the order `over_tokens` groups them (adapters as they first appear, the
+        base's rows last); None when they already are. A forward that runs its rows in this order
+        groups them once (GPT2.forward) instead of gathering them at every adapted layer."""
+        rank: dict[int, int] = {}
+        for index in self.adapter_of_row:
+            rank.setdefault(index, len(rank) if index != BASE else len(self.adapter_of_row))
+        order = sorted(range(len(self.adapter_of_row)), key=lambda row: rank[self.adapter_of_row[row]])
+        if order == list(range(len(order))):
+            return None
+        return order, LoraRows(self.adapters, [self.adapter_of_row[row] for row in order])
+
     def over_tokens(self, tokens_per_row: Sequence[int], device: torch.device) -> LoraGroups:
         """The flattened tokens of each adapter, row b owning the next tokens_per_row[b] of them.
         Built once per forward: every adapted layer of it reads the same groups."""
@@ -263,8 +291,10 @@ class LoraGroups:
 
     A layer gathers its input's tokens into `order` once, adds every adapter's deltas to the
     contiguous slices `spans` of its output, and puts the output back in place with `inverse`:
-    two gathers per layer, whatever the number of adapters. Everything a layer needs is built
-    here on the host, once per forward: no layer waits on the device to learn its indices."""
+    two gathers per layer, whatever the number of adapters, and none when the tokens come grouped
+    already (`order` None: a forward of rows in `LoraRows.by_adapter`'s order). Everything a layer
+    needs is built here on the host, once per forward: no layer waits on the device to learn its
+    indices."""
 
     def __init__(self, adapters: LoraSet, order: list[int], spans: list[tuple[int, int, int]], device: torch.device) -> None:
         self.adapters = adapters
@@ -275,7 +305,10 @@ class LoraGroups:
         # grouping per set of adapters present, shared by every such layer of the forward.
         self._regrouped: dict[tuple[tuple[int, int], ...], tuple[torch.Tensor, torch.Tensor, list[tuple[int, int]]]] = {}
         self._device = device
-        self.order, self.inverse, _ = self._grouping([(start, end) for _index, start, end in spans])
+        self.order: torch.Tensor | None = None  # None: the tokens are in `order` already
+        self.inverse: torch.Tensor | None = None
+        if order != list(range(self.tokens)):
+            self.order, self.inverse, _ = self._grouping([(start, end) for _index, start, end in spans])
 
     def _grouping(self, kept: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor, list[tuple[int, int]]]:
         """(order, inverse, spans) on the device, with the tokens of the slices `kept` of `_order`
@@ -302,7 +335,9 @@ class LoraGroups:
         order, inverse = self.order, self.inverse
         if len(present) < len(self.spans):  # some adapters of the batch leave this layer alone
             order, inverse, present = self._regroup(present)
-        grouped = x.reshape(-1, x.shape[-1]).index_select(0, order)  # [M, in]
+        grouped = x.reshape(-1, x.shape[-1])  # [M, in]
+        if order is not None:
+            grouped = grouped.index_select(0, order)
         adapted = present[-1][1]  # the tokens this layer adapts: grouped[:adapted]
         # Every product is row by row invariant (model/linear.py), so a row's bits are the same
         # in this order as in the batch's.
@@ -319,7 +354,9 @@ class LoraGroups:
             y = tanh_gelu(y)
             if adapted < grouped.shape[0]:
                 y = torch.cat([y, layer.base(grouped[adapted:], gelu=True)])
-        return y.index_select(0, inverse).view(*x.shape[:-1], -1)
+        if inverse is not None:
+            y = y.index_select(0, inverse)
+        return y.view(*x.shape[:-1], -1)
 
     def _regroup(self, present: list[tuple[int, int, SiteDelta]]) -> tuple[torch.Tensor, torch.Tensor, list]:
         """(order, inverse, spans) with the tokens of the adapters in `present` first, the others after."""

@@ -165,7 +165,9 @@ BAD_FOLDERS = {
 def test_a_forwards_groupings_are_built_once_on_the_host(small_dir, tmp_path, monkeypatch):
     """The layers only some of the batch's adapters adapt share one grouping of the tokens per
     forward, made from host lists like the batch's own: no layer builds indices on the device
-    (on a GPU each such build waited for the device)."""
+    (on a GPU each such build waited for the device). A forward of whole rows runs them grouped
+    by adapter, so the layers every adapter of the batch adapts gather nothing, and its logits
+    are those of the same rows gathered at every layer, bit for bit."""
     model = load_model(small_dir)
     adapters = LoraSet(model)
     every = adapters.load("every", peft_adapter(tmp_path / "every", small_dir, **PEFT_CONFIGS["all-modules"]))
@@ -173,12 +175,18 @@ def test_a_forwards_groupings_are_built_once_on_the_host(small_dir, tmp_path, mo
     copies = []
     real = lora_module.to_device
     monkeypatch.setattr(lora_module, "to_device", lambda values, device: copies.append(values) or real(values, device))
+    ids, lora = random_ids(SMALL, batch=3, length=4), adapters.rows([attention, BASE, every])
     with torch.inference_mode():
-        model(random_ids(SMALL, batch=3, length=4), lora=adapters.rows([attention, BASE, every]))
-    # The batch's grouping (c_attn, which both adapt) and one for c_proj and c_fc, which only
-    # `every` adapts: [order, inverse] each time, every layer of the 3 blocks reading them.
-    assert [len(order) for order, _inverse in copies] == [12, 12]
-    assert copies[1][0][:4] == list(range(8, 12))  # `every`'s tokens (the third row) first
+        grouped = model(ids, lora=lora).logits
+        # The hidden states asked for, the rows keep the batch's order and each layer gathers.
+        gathered = model(ids, lora=lora, output_hidden_states=True).logits
+    # Rows run as [attention, every, base]: c_attn, which both adapt, needs no grouping; c_proj
+    # and c_fc, which only `every` adapts, one, [order, inverse], read by every layer of the 3 blocks.
+    assert [len(order) for order, _inverse in copies[:1]] == [12]
+    assert copies[0][0][:4] == list(range(4, 8))  # `every`'s tokens (now the second row) first
+    # Then the forward in the batch's order: c_attn's grouping and c_proj's and c_fc's.
+    assert [len(order) for order, _inverse in copies[1:]] == [12, 12]
+    assert torch.equal(grouped, gathered)
 
 
 @pytest.mark.parametrize("case", BAD_FOLDERS)
