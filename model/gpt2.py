@@ -90,6 +90,8 @@ class AttentionInputs:
     # own call, as a decode step runs it (decode, speculative verification).
     query_blocks: bool = False
     lora: LoraGroups | None = None  # the rows' adapters (model/lora.py); None: the base for every row
+    # Where each new token's key and value go in the cache (`KVCache.write_index`), for every layer.
+    write_index: torch.Tensor | None = None
 
 
 def attend_by_row(
@@ -154,7 +156,7 @@ class CausalSelfAttention(nn.Module):
         qkv = project(self.c_attn, x, ctx.lora).view(B, T, 3, self.n_head, self.head_dim)  # [B, T, 3, H, d_h]
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # 3 × [B, H, T, d_h], views
         if ctx.cache is not None:
-            ctx.cache.write(self.layer_index, ctx.rows, ctx.positions, qkv[:, :, 1:])
+            ctx.cache.write(self.layer_index, ctx.write_index, qkv[:, :, 1:])
             if ctx.decode_lengths is not None:  # read in place from the blocks: [B, H, d_h]
                 y = ctx.cache.attend_decode(self.layer_index, q[:, :, 0], ctx.rows, ctx.decode_lengths,
                                             self.attend.scale_for(self.head_dim))
@@ -184,7 +186,7 @@ class CausalSelfAttention(nn.Module):
         packing, (_, N, C) = ctx.packing, x.shape
         H, d = self.n_head, self.head_dim
         qkv = project(self.c_attn, x, ctx.lora)[0].view(N, 3, H, d)  # [N, 3, H, d_h]
-        ctx.cache.write_tokens(self.layer_index, packing.slots, packing.positions, qkv[:, 1:])
+        ctx.cache.write(self.layer_index, ctx.write_index, qkv[:, 1:])
         q = qkv[:, 0].reshape(N, C)  # [N, C]
         keys, values = ctx.cache.read(self.layer_index, ctx.rows, ctx.kv_length)  # [B, H, L, d_h]
         if ctx.row_spans is not None:
@@ -410,6 +412,7 @@ class GPT2(nn.Module):
             cache=cache,
             rows=rows,
             want_probs=output_attentions,
+            write_index=cache.write_index(rows.ids[:, None].expand_as(positions), positions) if cache is not None else None,
         )
         if paged:
             # Keys 0..p, at most kv_length: a static step's padding rows (graphs.py) read its bucket.
@@ -465,6 +468,7 @@ class GPT2(nn.Module):
             rows=rows,
             want_probs=False,
             packing=packing,
+            write_index=cache.write_index(packing.slots, packing.positions),
         )
         if by_row:
             ctx.row_spans = packed_row_spans(packing)

@@ -371,21 +371,16 @@ class KVCache:
         span = slice(slots[0], slots[-1] + 1) if slots and consecutive else None
         return SlotBatch(ids=ids, span=span)
 
-    def _token_index(self, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Each (row, position)'s place in the pool's position axis."""
+    def write_index(self, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Each (row, position)'s place in the pool's position axis (slots and positions [B, T] or
+        [N]): the same for every layer of a forward, which finds it once (`AttentionInputs`)."""
         self.sync_tables()
         blocks = self.device_tables[slots, positions // self.block_size]
         return blocks * self.block_size + positions % self.block_size
 
-    def write(self, layer: int, rows: SlotBatch, positions: torch.Tensor, kv: torch.Tensor) -> None:
-        """Store kv [B, T, 2, H, d_h] (keys, then values) at each row's positions [B, T]."""
-        index = self._token_index(rows.ids[:, None].expand_as(positions), positions)  # [B, T]
-        self.kv[layer][:, :, index] = kv.permute(2, 3, 0, 1, 4)  # [2, H, B, T, d_h]
-
-    def write_tokens(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, kv: torch.Tensor) -> None:
-        """Store kv [N, 2, H, d_h] (keys, then values) of N tokens at their rows [N] and positions [N]."""
-        index = self._token_index(slots, positions)  # [N]
-        self.kv[layer][:, :, index] = kv.permute(1, 2, 0, 3)  # [2, H, N, d_h]
+    def write(self, layer: int, index: torch.Tensor, kv: torch.Tensor) -> None:
+        """Store kv [..., 2, H, d_h] (keys, then values) at the places `index` [...] (`write_index`)."""
+        self.kv[layer][:, :, index] = kv.movedim((-3, -2), (0, 1))  # [2, H, ..., d_h]
 
     def read(self, layer: int, rows: SlotBatch, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of the first `length` positions of each row: [B, H, length, d_h].

@@ -198,7 +198,7 @@ def test_forked_rows_share_blocks_until_one_writes_then_it_copies(model):
     assert cache.writable(b, 10, 11)  # b writes position 10: its third block becomes its own
     assert cache.blocks_of(b)[:2] == cache.blocks_of(a)[:2] and cache.blocks_of(b)[2] != cache.blocks_of(a)[2]
     assert torch.equal(cache.read(1, cache.batch([b]), 12)[0], before)  # a copy of what it shared
-    cache.write_tokens(1, torch.tensor([b]), torch.tensor([10]), torch.zeros(1, 2, 4, model.config.head_dim))
+    cache.write(1, cache.write_index(torch.tensor([b]), torch.tensor([10])), torch.zeros(1, 2, 4, model.config.head_dim))
     assert torch.equal(cache.read(1, cache.batch([a]), 12)[0], before)  # a's block untouched
     own = cache.blocks_of(a)[2]
     assert cache.release(a) == [own] and cache.blocks_free == 8 - 3  # the two shared ones are b's now
@@ -319,5 +319,5 @@ def test_rows_sharing_their_sources_blocks_copy_only_the_partial_last_one(model)
         keys, values = cache.read(1, cache.batch([row]), length)
         source_keys, source_values = before[source]
         assert torch.equal(keys[0], source_keys[0, :, :length]) and torch.equal(values[0], source_values[0, :, :length])
-    cache.write_tokens(1, torch.tensor([2]), torch.tensor([10]), torch.zeros(1, 2, 4, model.config.head_dim))
+    cache.write(1, cache.write_index(torch.tensor([2]), torch.tensor([10])), torch.zeros(1, 2, 4, model.config.head_dim))
     assert torch.equal(cache.read(1, cache.batch([0]), 12)[0], before[0][0])  # the source's block untouched
