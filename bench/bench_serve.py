@@ -8,6 +8,7 @@ transformers' generate(), on the same weights in the same run.
     .venv/bin/python -m bench.bench_serve --api-servers 1 2 --clients 32 --no-reference        # HTTP processes
     git worktree add --detach /tmp/old <commit>
     .venv/bin/python -m bench.bench_serve --against /tmp/old --clients 1 16 --threads 2 --rounds 4  # old vs new
+    .venv/bin/python -m bench.bench_serve --against /tmp/old --clients 16 --no-prefix-caching        # prompts computed every round
 
 For each client count C it starts nothing new: one real server (`python -m service`, its engine
 core in its own process) serves every row. C concurrent clients each stream one
@@ -121,6 +122,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--against", type=Path, default=None, metavar="CHECKOUT",
                         help="another checkout (git worktree) of the code: its server beside this one's, alternating (new/old)")
     parser.add_argument("--rounds", type=int, default=4, help="with --against: each checkout's measurements per client count")
+    parser.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                        help="the servers' prefix cache (every round sends the same prompts, which a cache reuses)")
     args = parser.parse_args(argv)
     if args.against:
         if not (args.against / "service" / "__main__.py").is_file():
@@ -166,8 +169,8 @@ def main() -> None:
         for mode in dict.fromkeys(args.quantize):
             (ggufs[mode],) = convert(args.model_dir, args.gguf_dir, (llama_cpp_bench.GGUF_TYPE[mode, args.dtype],),
                                      bin_dir=args.llama_cpp)
-    servers = {(mode, n): Server(args, slots, mode, n, stream_interval=args.stream_interval) for mode in dict.fromkeys(args.quantize)
-               for n in dict.fromkeys(args.api_servers)}
+    servers = {(mode, n): Server(args, slots, mode, n, stream_interval=args.stream_interval, prefix_caching=args.prefix_caching)
+               for mode in dict.fromkeys(args.quantize) for n in dict.fromkeys(args.api_servers)}
     try:
         for server in servers.values():
             server.wait_ready()

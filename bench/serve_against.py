@@ -30,7 +30,7 @@ def compare_checkouts(args: argparse.Namespace, texts: list[str]) -> None:
             # One at a time, and given minutes: on the busy 2-core machine one 124M server took 80-120 s
             # to answer, two starting at once longer.
             servers[name] = Server(args, max(args.clients), args.quantize[0], args.api_servers[0], checkout=checkout,
-                                   stream_interval=args.stream_interval)
+                                   stream_interval=args.stream_interval, prefix_caching=args.prefix_caching)
             servers[name].wait_ready(timeout=600)
         for server in servers.values():
             for clients in args.clients:  # first-request costs and each batch shape's first kernels

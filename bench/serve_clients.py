@@ -59,17 +59,10 @@ def percentile(values: list[float], q: float) -> float:
 # --- the server ---------------------------------------------------------------------------------
 class Server(ServiceProcess):
     def __init__(self, args: argparse.Namespace, slots: int, quantize: str = "none", api_servers: int = 1,
-                 checkout: Path | None = None, stream_interval: int = 1) -> None:
+                 checkout: Path | None = None, stream_interval: int = 1, prefix_caching: bool = True) -> None:
         """`checkout`: the folder whose code `-m service` runs (another worktree); default, this one."""
         self.label = quantize if len(args.api_servers) == 1 else f"{quantize}, {api_servers} HTTP"
-        flags = service_flags(args, slots, args.new_tokens)
-        if quantize != "none":
-            flags += ["--quantize", quantize]
-        if api_servers != 1:
-            flags += ["--api-servers", str(api_servers)]
-        if stream_interval != 1:
-            flags += ["--stream-interval", str(stream_interval)]
-        super().__init__(flags, cwd=checkout)
+        super().__init__(server_flags(args, slots, quantize, api_servers, stream_interval, prefix_caching), cwd=checkout)
 
     def engine_config(self, eos_token_id: int, max_len: int) -> EngineConfig:
         """The engine core's config as this server builds it from its flags (service/app.py), so
@@ -77,6 +70,21 @@ class Server(ServiceProcess):
         hand-built one queued 64 requests, and 256 clients' raised QueueFull); only max_len is
         the benchmark's longest request rather than the context, for a smaller KV cache."""
         return core_config(parse_settings(self.flags), max_len, eos_token_id).engine
+
+
+def server_flags(args: argparse.Namespace, slots: int, quantize: str = "none", api_servers: int = 1,
+                 stream_interval: int = 1, prefix_caching: bool = True) -> list[str]:
+    """`python -m service`'s flags for a Server: the shared ones, then what differs from the defaults."""
+    flags = service_flags(args, slots, args.new_tokens)
+    if quantize != "none":
+        flags += ["--quantize", quantize]
+    if api_servers != 1:
+        flags += ["--api-servers", str(api_servers)]
+    if stream_interval != 1:
+        flags += ["--stream-interval", str(stream_interval)]
+    if not prefix_caching:  # bench_serve's rounds repeat their prompts, which a prefix cache reuses
+        flags += ["--no-prefix-caching"]
+    return flags
 
 
 async def stream_one(http: httpx.AsyncClient, url: str, text: str, new_tokens: int, stats: ClientStats,
