@@ -231,10 +231,7 @@ def rows_by_adapter(
     grouped = lora.by_adapter()
     if grouped is None:
         return input_ids, positions, rows, logits_index, lora, None
-    order, lora = grouped
-    restore = [0] * len(order)
-    for place, row in enumerate(order):
-        restore[row] = place
+    order, restore, lora = grouped
     order_t, restore_t = to_device([order, restore], input_ids.device)  # one copy
     if rows is not None:
         rows = SlotBatch(rows.ids.index_select(0, order_t), None)

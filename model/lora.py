@@ -80,12 +80,11 @@ def tanh_gelu(y: torch.Tensor) -> torch.Tensor:
     the same function, and twice as fast on CPU as F.gelu's tanh form (PyTorch's tanh is slow
     there), for the adapted rows that cannot take the GELU fused into their product."""
     two_c = 2.0 * math.sqrt(2.0 / math.pi)
-    if y.requires_grad:  # training: autograd keeps each operation's own output
-        return y * torch.sigmoid((y * y * (0.044715 * two_c) + two_c) * y)
-    # Serving: the same operations in the same order (the same bits), in place on one temporary.
+    # σ(2z) in place on one temporary, the operations in the expression's order (the same bits as
+    # y * sigmoid((y * y * k + two_c) * y)); the last product out of place, which autograd needs.
     gate = y * y
     gate.mul_(0.044715 * two_c).add_(two_c).mul_(y).sigmoid_()
-    return gate.mul_(y)
+    return y * gate
 
 
 class LoraConv1D(nn.Module):
@@ -255,35 +254,48 @@ class LoraRows:
     adapters: LoraSet
     adapter_of_row: list[int]
 
-    def by_adapter(self) -> tuple[list[int], LoraRows] | None:
-        """(order, the rows in that order): the batch's rows reordered so each adapter's are
-        consecutive, in the order `over_tokens` groups them (adapters as they first appear, the
-        base's rows last); None when they already are. A forward that runs its rows in this order
-        groups them once (GPT2.forward) instead of gathering them at every adapted layer."""
-        rank: dict[int, int] = {}
-        for index in self.adapter_of_row:
-            rank.setdefault(index, len(rank) if index != BASE else len(self.adapter_of_row))
-        order = sorted(range(len(self.adapter_of_row)), key=lambda row: rank[self.adapter_of_row[row]])
+    def by_adapter(self) -> tuple[list[int], list[int], LoraRows] | None:
+        """(order, its inverse, the rows in that order): the batch's rows reordered so each
+        adapter's are consecutive, as `over_tokens` groups them; None when they already are. A
+        forward that runs its rows in this order groups them once (GPT2.forward) instead of
+        gathering them at every adapted layer."""
+        order, _spans = grouped_by_adapter(self.adapter_of_row, [1] * len(self.adapter_of_row))
         if order == list(range(len(order))):
             return None
-        return order, LoraRows(self.adapters, [self.adapter_of_row[row] for row in order])
+        return order, inverse_of(order), LoraRows(self.adapters, [self.adapter_of_row[row] for row in order])
 
     def over_tokens(self, tokens_per_row: Sequence[int], device: torch.device) -> LoraGroups:
         """The flattened tokens of each adapter, row b owning the next tokens_per_row[b] of them.
         Built once per forward: every adapted layer of it reads the same groups."""
         if len(tokens_per_row) != len(self.adapter_of_row):
             raise ValueError(f"adapters for {len(self.adapter_of_row)} rows, but the batch has {len(tokens_per_row)}")
-        positions: dict[int, list[int]] = {}
-        start = 0
-        for index, count in zip(self.adapter_of_row, tokens_per_row):
-            positions.setdefault(index, []).extend(range(start, start + count))
-            start += count
-        order, spans = [], []
-        for index, rows in sorted(positions.items(), key=lambda item: item[0] == BASE):  # the base's rows last
-            if index != BASE:
-                spans.append((index, len(order), len(order) + len(rows)))
-            order.extend(rows)
+        order, spans = grouped_by_adapter(self.adapter_of_row, tokens_per_row)
         return LoraGroups(self.adapters, order, spans, device)
+
+
+def grouped_by_adapter(adapter_of_row: Sequence[int], tokens_per_row: Sequence[int]) -> tuple[list[int], list[tuple[int, int, int]]]:
+    """(order, spans): the flattened tokens (row b owning the next tokens_per_row[b]) adapter by
+    adapter, adapters as they first appear and the base's last; each adapter's (index, start,
+    end) slice of `order`."""
+    positions: dict[int, list[int]] = {}
+    start = 0
+    for index, count in zip(adapter_of_row, tokens_per_row):
+        positions.setdefault(index, []).extend(range(start, start + count))
+        start += count
+    order, spans = [], []
+    for index, rows in sorted(positions.items(), key=lambda item: item[0] == BASE):  # the base's rows last
+        if index != BASE:
+            spans.append((index, len(order), len(order) + len(rows)))
+        order.extend(rows)
+    return order, spans
+
+
+def inverse_of(order: list[int]) -> list[int]:
+    """The permutation that puts `order`'s items back: inverse[order[i]] = i."""
+    inverse = [0] * len(order)
+    for place, item in enumerate(order):
+        inverse[item] = place
+    return inverse
 
 
 class LoraGroups:
@@ -317,9 +329,7 @@ class LoraGroups:
         taken = set(firsts)
         places = firsts + [place for place in range(self.tokens) if place not in taken]
         order = [self._order[place] for place in places]
-        inverse = [0] * self.tokens
-        for place, token in enumerate(order):
-            inverse[token] = place
+        inverse = inverse_of(order)
         spans, offset = [], 0
         for start, end in kept:
             spans.append((offset, offset + end - start))
