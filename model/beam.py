@@ -53,7 +53,7 @@ import torch
 from model.gpt2 import GPT2
 from model.kv_cache import KVCache
 from model.sampling import apply_repetition_penalty
-from model.scoring import top_lowest_first
+from model.scoring import top_nonpositive
 from model.transfer import to_device
 
 # transformers marks impossible beams with this score rather than -inf, so arithmetic on them
@@ -304,20 +304,28 @@ def beam_candidates(logits: torch.Tensor, running: torch.Tensor, searches: list[
     log-prob, its flat index (beam * V + token); search r's own K are the first of each third
     (`split_candidates`). float64 holds the float32 scores and the flat indices exactly.
     """
+    parts = candidate_parts(logits, running.to(logits.device, torch.float32), searches)
+    out = torch.empty(logits.shape[0], 3 * parts[0].shape[1], dtype=torch.float64, device=logits.device)
+    return torch.cat(parts, dim=1, out=out)  # each cast as it is copied
+
+
+def candidate_parts(
+    logits: torch.Tensor, running: torch.Tensor, searches: list[BeamSearch]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`beam_candidates`' three thirds, [R, k] each (running: float32 on the logits' device), for
+    a caller that copies them out with more (service/engine/beams.py)."""
     count, width, vocab = logits.shape
     log_probs = torch.log_softmax(logits.float(), dim=-1)  # [R, N, V]
     for row, search in enumerate(searches):
         if search.params.repetition_penalty != 1.0:
             beams = search.params.num_beams
             log_probs[row, :beams] = search.penalise(log_probs[row, :beams])
-    totals = log_probs + running.to(log_probs.device, torch.float32)[:, :, None]  # [R, N, V]
+    totals = log_probs + running.unsqueeze(2)  # [R, N, V], every one at most 0 (or -inf)
     k = max(search.candidates for search in searches)
     # Equal totals: the lowest (beam, token) first, whatever device or kernel runs it; so a
     # search's own K are the first K of the widest search's k, padding (-inf) last.
-    top_totals, top_flat = top_lowest_first(totals.reshape(count, width * vocab), k)  # [R, k], [R, k]
-    top_logprobs = log_probs.reshape(count, width * vocab).gather(1, top_flat)  # [R, k]
-    out = torch.empty(count, 3 * k, dtype=torch.float64, device=logits.device)
-    return torch.cat([top_totals, top_logprobs, top_flat], dim=1, out=out)  # [R, 3k], each cast as it is copied
+    top_totals, top_flat = top_nonpositive(totals.view(count, width * vocab), k)  # [R, k], [R, k]
+    return top_totals, log_probs.view(count, width * vocab).gather(1, top_flat), top_flat
 
 
 def split_candidates(row: np.ndarray, candidates: int) -> tuple[list[float], list[float], list[int]]:

@@ -103,6 +103,7 @@ class KVCache:
         shape = (config.n_layer, 2, config.n_head, (num_blocks + 1) * block_size, config.head_dim)
         self.kv = torch.zeros(shape, device=device, dtype=dtype)
         self.keys, self.values = self.kv.unbind(1)  # views: [n_layer, n_head, block·position, head_dim]
+        self.by_block = self.kv.view(*shape[:3], num_blocks + 1, block_size, config.head_dim)  # what copies index
         self.head_dim = config.head_dim
         self._gathered = self.kv.new_empty(0)  # what `read` gathers into (valid until the next read)
         self.max_slots = max_slots
@@ -313,28 +314,33 @@ class KVCache:
         """Row rows[i] lets its blocks go and holds row sources[i]'s first lengths[i] positions
         instead (a beam continuing another): the full blocks shared, the partial last one, which
         the row writes into next, copied (one copy for all). No row of `rows` is a source or
-        twice there. `release` and `fork` row by row, and the copy `writable` would make, in
-        array operations.
+        twice there. `release` and `fork` row by row, and the copy `writable` would make, with
+        one pass over the pool for the blocks let go; a step has a few such rows, for which a
+        handful of slices each cost the host less than arrays over them all.
         False (nothing changed) when the pool may have too few free blocks for the copies."""
-        src, dst = np.asarray(sources, dtype=np.int64), np.asarray(rows, dtype=np.int64)
-        length = np.asarray(lengths, dtype=np.int64)
-        full = length // self.block_size
-        copied = (full * self.block_size < length) & (full < self.row_blocks[src])  # [R] a partial block to copy
-        if int(copied.sum()) > self.pool.free_count:
+        size, tables, row_blocks, refs = self.block_size, self.tables, self.row_blocks, self.refs
+        spans = []  # per row: its source's blocks it shares, and whether it copies the next one
+        for source, length in zip(sources, lengths):
+            full, held = length // size, int(row_blocks[source])
+            spans.append((min(full, held), full * size < length and full < held))
+        if sum(copied for _, copied in spans) > self.pool.free_count:
             return False
-        column = np.arange(self.blocks_per_row)
-        old = self.tables[dst][column < self.row_blocks[dst][:, None]]  # every block the rows held
-        shared = column < np.minimum(full, self.row_blocks[src])[:, None]  # [R, blocks]
-        tables = np.where(shared, self.tables[src], SCRATCH)
-        np.add.at(self.refs, tables[shared], 1)  # held by their source rows: none is free
-        new = [self.pool.take() for _ in range(int(copied.sum()))]
-        tables[np.flatnonzero(copied), full[copied]] = new
-        self.tables[dst] = tables
-        self.row_blocks[dst] = np.minimum(full, self.row_blocks[src]) + copied
-        self.pool.let_go(old.tolist())
+        old, copy_from, copy_to = [], [], []
+        for source, row, (shared, copied) in zip(sources, rows, spans):
+            old += tables[row, : row_blocks[row]].tolist()
+            blocks = tables[source, :shared]
+            refs[blocks] += 1  # held by their source row: none is free (and none twice in a row)
+            tables[row, :shared] = blocks
+            if copied:
+                copy_from.append(int(tables[source, shared]))
+                copy_to.append(self.pool.take())
+                tables[row, shared] = copy_to[-1]
+            tables[row, shared + copied:] = SCRATCH
+            row_blocks[row] = shared + copied
+        self.pool.let_go(old)
         self._tables_changed()
-        if new:
-            self._copy_blocks(self.tables[src[copied], full[copied]].tolist(), new)
+        if copy_to:
+            self._copy_blocks(copy_from, copy_to)
         return True
 
     def move_row(self, src: int, dst: int) -> None:
@@ -502,8 +508,7 @@ class KVCache:
         """Zero blocks (and the scratch block): a failed sequence's keys and values may not be
         finite, and a later sequence's masked positions still multiply them (0 * NaN is NaN)."""
         self.sync_tables()  # a block moved out of one of these holds what it held before
-        by_block = self.kv.view(*self.kv.shape[:3], -1, self.block_size, self.kv.shape[-1])
-        by_block[:, :, :, [SCRATCH, *blocks]] = 0
+        self.by_block[:, :, :, [SCRATCH, *blocks]] = 0
 
     def copy_slots(self, src: list[int], dst: list[int], length: int) -> None:
         """Make row dst[i] hold what src[i] holds in its first `length` positions (beam
@@ -522,8 +527,8 @@ class KVCache:
         self._copy_now(src, dst)
 
     def _copy_now(self, src: list[int], dst: list[int]) -> None:
-        src_ids, dst_ids = to_device([src, dst], self.device)
-        by_block = self.kv.view(*self.kv.shape[:3], -1, self.block_size, self.kv.shape[-1])
+        src_ids, dst_ids = to_device([src, dst], self.device).unbind()  # unbind: no Tensor.__iter__
+        by_block = self.by_block
         # The source blocks are gathered first, so a permutation among the same blocks is safe;
         # index_copy_ (dst distinct) costs the host about half an index_put on this view.
         by_block.index_copy_(3, dst_ids, by_block.index_select(3, src_ids))

@@ -4,7 +4,7 @@ beams are rows of the batched step like any other (drawn by the sampler, their d
 A step's beams go three ways, as transformers' batched beam search does, split at the step's one
 device→host copy:
 - at launch (`launch_candidates`): every beam request's candidates in one batched operation on
-  the device (model/beam.py's `beam_candidates`: log_softmax, repetition_penalty, + running
+  the device (model/beam.py's `candidate_parts`: log_softmax, repetition_penalty, + running
   scores, top 2 * num_beams over [num_beams x V]); a few numbers per request ride the sampler's
   copy;
 - when the step is read (`advance_beam_requests`): each search's bookkeeping on the host from
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from model.beam import BeamParams, BeamSearch, beam_candidates, split_candidates
+from model.beam import BeamParams, BeamSearch, candidate_parts, split_candidates
 from model.transfer import to_device
 from service.engine.faults import RowFault, RowFaultError, beam_failed, nonfinite
 from service.engine.input_batch import InputBatch
@@ -95,26 +95,34 @@ def beam_groups(sampled: list[tuple[RequestState, Sequence]], among: list[int] |
     return [BeamRows(states[key], [row for _, row in sorted(rows)]) for key, rows in groups.items()]
 
 
-def launch_candidates(step_logits: torch.Tensor, groups: list[BeamRows]) -> torch.Tensor:
-    """[R, 1 + 3k] float64 on the device, one row per group: whether its logits were all finite,
-    then its candidates (`beam_candidates`). `step_logits`: [B, V], one row per sampled row."""
+def candidates_width(groups: list[BeamRows]) -> int:
+    """1 + 3k: the width of `launch_candidates`' rows (k: the most candidates a search keeps)."""
+    return 1 + 3 * max(group.state.beam.candidates for group in groups)
+
+
+def launch_candidates(step_logits: torch.Tensor, groups: list[BeamRows], out: torch.Tensor) -> torch.Tensor:
+    """`out`: [R, 1 + 3k] float64 on the device (`candidates_width`), one row per group: the sum of
+    its logits (finite exactly when every one of them is), then its candidates
+    (`beam_candidates`). `step_logits`: [B, V], one row per sampled row. Every operation here
+    runs each step a beam search does, so they are few: on a GPU each is a kernel launch, on a
+    CPU each costs the host."""
     searches = [group.state.beam for group in groups]
     width = max(search.params.num_beams for search in searches)
-    # Row indices and running scores in one host→device copy (float64 holds both exactly).
-    host = np.empty((2, len(groups), width), dtype=np.float64)
-    host[1] = -np.inf  # padding: never a candidate
+    rows = np.empty((len(groups), width), dtype=np.int64)
+    running = np.full((len(groups), width), -np.inf, dtype=np.float32)  # padding: never a candidate
     for i, (group, search) in enumerate(zip(groups, searches)):
         beams = search.params.num_beams
         # The first step expands the prompt's row (beam 0's) over every beam, as transformers does.
-        host[0, i] = group.rows[0] if search.first_step else group.rows + group.rows[:1] * (width - beams)
-        host[1, i, :beams] = search.running_scores
-    device = to_device(host, step_logits.device, torch.float64)
-    logits = step_logits[device[0].long()]  # [R, N, V]
-    # [R]: a row holding NaN or an infinity sums to one (a search reads nothing else of them).
-    finite = torch.isfinite(logits.sum(dim=2)).all(dim=1)
-    candidates = beam_candidates(logits, device[1].float(), searches)
-    out = torch.empty(len(groups), 1 + candidates.shape[1], dtype=torch.float64, device=candidates.device)
-    return torch.cat([finite[:, None], candidates], dim=1, out=out)  # the flags cast as they are copied
+        rows[i] = group.rows[0] if search.first_step else group.rows + group.rows[:1] * (width - beams)
+        running[i, :beams] = search.running_scores
+    device = step_logits.device
+    logits = step_logits[to_device(rows, device)]  # [R, N, V]
+    # In float64, which no sum of float32 (or half) values overflows: an fp16 model's logits
+    # summed in their own type would overflow (GPT-2's are near -100 over 50,257 tokens) and
+    # fail a sound search.
+    sums = logits.view(len(groups), -1).sum(dim=1, keepdim=True, dtype=torch.float64)  # [R, 1]
+    parts = candidate_parts(logits, to_device(running, device, torch.float32), searches)
+    return torch.cat([sums, *parts], dim=1, out=out)  # each cast as it is copied
 
 
 @dataclass
@@ -130,14 +138,16 @@ def advance_beam_requests(beams: LaunchedBeams) -> BeamOutcome:
     """Each search's step from its candidates, read with the step. A search that fails (its
     logits not finite, or raising) is reported alone; its beams are left as they were."""
     outcome = BeamOutcome([], [], [])
-    for group, row in zip(beams.groups, beams.candidates.numpy()):
+    candidates = beams.candidates.numpy()
+    finite = np.isfinite(candidates[:, 0]).tolist()
+    for group, row, sound in zip(beams.groups, candidates, finite):
         state = group.state
         sequences = state.sequences
         if sequences[0].finish_reason is not None:  # ended (failed, cancelled) since its step was launched
             continue
         search = state.beam
         try:
-            if not row[0]:
+            if not sound:
                 raise RowFaultError(nonfinite(len(sequences[0].token_ids) - sequences[0].prompt_length + 1))
             step = search.advance(*split_candidates(row[1:], search.candidates), beams.vocab)
         except Exception as exc:
@@ -172,8 +182,9 @@ def apply_beam_moves(batch: InputBatch, moves: list[BeamMove]) -> None:
             batch.hold(slot, seq)
     slots = [slot for move in moves for slot in move.slots]
     tokens = [token for move in moves for token in move.tokens]
-    index, values = to_device([slots, tokens], batch.last_tokens.device)
-    batch.last_tokens[index] = values
+    # unbind, not unpacking (Tensor.__iter__'s Python); index_copy_: the slots are distinct.
+    index, values = to_device([slots, tokens], batch.last_tokens.device).unbind()
+    batch.last_tokens.index_copy_(0, index, values)
 
 
 def beam_results(state: RequestState) -> list[FinishedSequence]:

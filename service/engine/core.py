@@ -180,8 +180,6 @@ class EngineCore:
             results.done += [scheduler.finish(state) for state in plan.cancelled]
             prefill_tokens, cached_tokens = plan.prefill_tokens, plan.cached_tokens
             prefix_hits = cached_tokens // self.cache.block_size  # blocks: reuse is whole blocks
-            if plan.beams:  # one output token per step each beam
-                results.decode_output_tokens += sum(len(s.live) for s in plan.decode if s.beam is not None)
             runner.prepare(plan)
             deferred = self.overlap
             launched = None
@@ -191,6 +189,9 @@ class EngineCore:
                     scheduler.in_flight(launched)
                 launched.releases = scheduler.releases
                 batch_size, decode_tokens = len(launched.rows.row_of), len(launched.rows.decoding)
+                if launched.rows.beams:  # one output token a step each decoding beam (not a prompt's first)
+                    results.decode_output_tokens += sum(len(group.rows) for group in launched.rows.beams
+                                                        if not group.state.beam.first_step)
             # One step's tokens read: the one before (overlap), else this one.
             read = previous if deferred else launched
             if read is not None:

@@ -104,7 +104,7 @@ class Scheduler:
         # among them that need the host's tokens before each step (RequestState.host_paced), and
         # them by their prompt's first token (only those can share a prefix with a new prompt).
         self.running: list[RequestState] = []
-        self.host_paced_running = 0
+        self.host_paced: list[RequestState] = []
         self.beams_running = 0  # of which beam searches
         self._by_first_token: dict[int, list[RequestState]] = {}
         self._lock = threading.Lock()
@@ -188,20 +188,24 @@ class Scheduler:
             for state in [state for state in kept if state.prefilled < state.prompt_length]:
                 if size := budget.take(state.prompt_length - state.prefilled):
                     chunks.append(PrefillChunk(state, state.prefilled, state.prefilled + size))
-        if exhausted:
-            done = {id(state) for state in exhausted}
-            decode = [state for state in decode if id(state) not in done]
+        # Those not stepped: the exhausted, and (found among the few host-paced, not by a pass over
+        # every row) those sitting out.
+        left_out = {id(state) for state in exhausted} if exhausted else set()
         sitting_out, paced = [], []
-        if self.host_paced_running:
-            paced = [state for state in decode if state.host_paced]
+        if self.host_paced:
+            paced = [state for state in self.host_paced
+                     if state.prefilled >= state.prompt_length and id(state) not in left_out]
         if in_flight and paced:
             # Its next step needs its last token on the host (a draft, a beam): a request
             # whose token is in flight sits this step out, and overlap stays on for the others.
-            sitting_out = [state for state in paced if any(seq.pending for seq in state.live)]
+            ready = []
+            for state in paced:
+                (sitting_out if any(seq.pending for seq in state.live) else ready).append(state)
             if sitting_out:
-                out = {id(state) for state in sitting_out}
-                decode = [state for state in decode if id(state) not in out]
-                paced = [state for state in paced if id(state) not in out]
+                left_out.update(id(state) for state in sitting_out)
+                paced = ready
+        if left_out:
+            decode = [state for state in decode if id(state) not in left_out]
         # A block for each row whose write this step starts one, a copy of the block it writes where
         # that one is shared: most steps, no row needs either (found with array operations).
         stepping_before = len(decode)
@@ -236,7 +240,7 @@ class Scheduler:
         beam_moves, self._beam_moves = self._beam_moves, []
         plan = StepPlan(chunks, decode, cancelled, moves, [chunk.state for chunk in chunks if chunk.completes],
                         sum(chunk.end - chunk.start for chunk in chunks), sum(s.reused for s in admitted), admitted,
-                        running=len(self.running), host_paced=self.host_paced_running, beams=self.beams_running,
+                        running=len(self.running), host_paced=len(self.host_paced), beams=self.beams_running,
                         sitting_out=[seq.slot for state in sitting_out for seq in state.live], beam_moves=beam_moves)
         if self.speculative is not None and paced:  # drafters are host-paced
             # The batch a draft token is priced against: every running sequence (held slots: a
@@ -331,7 +335,8 @@ class Scheduler:
         except Exception:
             self.cache.free(slots)
             raise
-        self.host_paced_running += state.host_paced
+        if state.host_paced:
+            self.host_paced.append(state)
         self.beams_running += state.beam is not None
         self._by_first_token.setdefault(state.request.prompt_ids[0], []).append(state)
         first = state.sequences[0]
@@ -506,7 +511,8 @@ class Scheduler:
             return
         gone = {id(state) for state in states}
         self.running = [s for s in self.running if id(s) not in gone]
-        self.host_paced_running -= sum(state.host_paced for state in states)
+        if self.host_paced:
+            self.host_paced = [s for s in self.host_paced if id(s) not in gone]
         self.beams_running -= sum(state.beam is not None for state in states)
         for first_token in {state.request.prompt_ids[0] for state in states}:
             kept = [s for s in self._by_first_token.get(first_token, ()) if id(s) not in gone]
@@ -519,7 +525,7 @@ class Scheduler:
         """Free every running request's slots (after a failed step) and forget them, and
         everything the cache kept: a failed step may have left any slot half-written."""
         aborted, self.running = self.running, []
-        self.host_paced_running = self.beams_running = 0
+        self.host_paced, self.beams_running = [], 0
         self._beam_moves = []  # for slots no request holds any more
         self._by_first_token.clear()
         for state in aborted:

@@ -168,15 +168,15 @@ class StepReader:
                 continue
             state, seq = sampled[i]
             after = i + 1 + len(seq.draft)
-            if seq.finish_reason is None:  # else ended (or cancelled) since its step was launched
+            # Ended (or cancelled) since its step was launched: nothing to read. A beam's search
+            # reads the step (service/engine/beams.py), not its draw.
+            if seq.finish_reason is None and state.beam is None:
                 self._read_sequence(launched, state, seq, host[i:after].tolist(), results)
         return kept
 
     def _read_sequence(self, launched: LaunchedStep, state: RequestState, seq: Sequence, rows: list[list[float]],
                        results: StepResults) -> None:
         """One sequence's rows of the step (1 + k with a draft of k)."""
-        if state.beam is not None:  # its search reads the step (service/engine/beams.py), not its draw
-            return
         n = launched.alternatives
         if not seq.draft and seq.drafter is None:  # one token, no draft to judge
             row = rows[0]

@@ -16,7 +16,7 @@ import torch
 from model.sampling import choose_tokens
 from model.scoring import top_alternatives
 from model.transfer import to_device
-from service.engine.beams import launch_candidates
+from service.engine.beams import candidates_width, launch_candidates
 from service.engine.faults import NonfiniteInjection, grammar_failed
 from service.engine.grammar import Grammars
 from service.engine.input_batch import InputBatch
@@ -92,15 +92,20 @@ class StepSampler:
         # The sampler's one device→host copy: tokens, their log-probs and alternatives together
         # (float64 holds every token id exactly). [B, 2 + 2n]. Queued, not waited for: on CUDA
         # the host goes on (non_blocking lands in pinned memory) and `read` waits for the event.
-        drawn = torch.cat(columns, dim=1)
-        candidates = launch_candidates(step_logits, rows.beams) if rows.beams else None  # [R, 1 + 3k]
-        if candidates is not None:  # the beam searches' candidates ride the same copy
-            host = torch.cat([drawn.reshape(-1), candidates.reshape(-1)]).to("cpu", non_blocking=True)
-            sampled, beams = host.split([drawn.numel(), candidates.numel()])
-            launched.sampled = sampled.view(drawn.shape)
-            launched.beams = LaunchedBeams(rows.beams, beams.view(candidates.shape), step_logits.shape[-1])
+        if rows.beams:  # the beam searches' candidates ride the same copy, written beside the rows
+            shape = (len(tokens), sum(column.shape[1] for column in columns))
+            size = shape[0] * shape[1]
+            both = torch.empty(size + len(rows.beams) * candidates_width(rows.beams), dtype=torch.float64,
+                               device=tokens.device)
+            drawn = torch.cat(columns, dim=1, out=both[:size].view(shape))
+            candidates = launch_candidates(step_logits, rows.beams, both[size:].view(len(rows.beams), -1))
+            host = both.to("cpu", non_blocking=True)
+            if host is not both:
+                drawn, candidates = host[:size].view(shape), host[size:].view(candidates.shape)
+            launched.sampled = drawn
+            launched.beams = LaunchedBeams(rows.beams, candidates, step_logits.shape[-1])
         else:
-            launched.sampled = host = drawn.to("cpu", non_blocking=True)
+            launched.sampled = host = torch.cat(columns, dim=1).to("cpu", non_blocking=True)
         launched.alternatives, launched.faults = n, faults
         if host.device != logits.device and logits.device.type == "cuda":
             launched.ready = torch.cuda.Event()

@@ -7,9 +7,9 @@ from dataclasses import replace
 import pytest
 import torch
 
-from model.beam import BeamParams, BeamSearch, beam_generate, top_lowest_first
+from model.beam import BeamParams, BeamSearch, beam_generate
 from model.kv_cache import KVCache
-from model.scoring import top_n
+from model.scoring import top_lowest_first, top_n, top_nonpositive
 
 
 def test_first_step_accepts_one_row_or_every_beam(tiny_model):
@@ -99,3 +99,21 @@ def test_the_batched_top_k_ranks_as_top_n_ties_and_signed_zeros_included():
         values[4] = -torch.rand(600, generator=generator)  # negative: their bits order the other way
         expected, found = top_n(values, 12), top_lowest_first(values, 12)
         assert torch.equal(found[1], expected[1]) and torch.equal(found[0], expected[0])
+
+
+def test_the_beams_top_k_over_values_at_most_zero_ranks_as_top_n():
+    """top_nonpositive (the beams' candidates: log-probs and their sums, never above 0) gives
+    top_n's answer for such values: ties lowest index first, 0.0 and -0.0 equal and largest,
+    -inf last, subnormals ordered; any k."""
+    generator = torch.Generator().manual_seed(2)
+    for _ in range(30):
+        values = -torch.randint(0, 8, (5, 600), generator=generator).float() * 0.25  # many ties, zeros
+        values[0, 100:130:2], values[0, 101:130:2] = -0.0, 0.0
+        values[1] = float("-inf")
+        values[1, [9, 400]] = -3.0
+        values[2] = -torch.rand(600, generator=generator) * 1e3
+        values[3] = -torch.rand(600, generator=generator) * 1e-38  # subnormals
+        values[4] = -torch.rand(600, generator=generator)
+        for k in (1, 12, 600):
+            expected, found = top_n(values, k), top_nonpositive(values, k)
+            assert torch.equal(found[1], expected[1]) and torch.equal(found[0], expected[0])

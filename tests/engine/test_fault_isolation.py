@@ -190,17 +190,30 @@ def test_non_finite_beam_logits_fail_the_beam_request_alone(make_engine, monkeyp
 
     launch = sampler_module.launch_candidates
 
-    def poisoned(step_logits, groups):
+    def poisoned(step_logits, groups, out):
         rows = [row for group in groups if group.state.params.num_beams == 4 for row in group.rows]
         step_logits = step_logits.clone()
         step_logits[rows] = math.nan
-        return launch(step_logits, groups)
+        return launch(step_logits, groups, out)
 
     monkeypatch.setattr(sampler_module, "launch_candidates", poisoned)
     hostile = make_request(random_prompt(6, seed=81), "hostile", max_new_tokens=6, num_beams=4)
     finished, failed = run(make_engine(), bystanders() + [hostile])
     assert list(failed) == ["hostile"] and failed["hostile"].cause == "nonfinite_logits"
     assert finished == alone
+
+
+def test_half_precision_logits_summing_past_fp16s_range_fail_no_search(make_engine, monkeypatch):
+    """An fp16 model's logits (GPT-2's are near -100 over 50,257 tokens) summed in fp16 overflow
+    to -inf: the check that fails a search on non-finite logits must not read that as a fault."""
+    import service.engine.step_sampler as sampler_module
+
+    launch = sampler_module.launch_candidates
+    monkeypatch.setattr(sampler_module, "launch_candidates",
+                        lambda step_logits, groups, out: launch(step_logits.half() - 100.0, groups, out))
+    request = make_request(random_prompt(6, seed=82), "beams", max_new_tokens=6, num_beams=4)
+    finished, failed = run(make_engine(), [request])
+    assert not failed and len(finished["beams"]) == 1 and len(finished["beams"][0][0]) == 6
 
 
 def test_injection_is_off_unless_configured(monkeypatch):

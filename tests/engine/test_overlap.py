@@ -74,8 +74,8 @@ def run(make_engine, entries, overlap: bool, cancel: dict[str, int] | None = Non
                 engine.cancel(request_id)
         output = engine.step()
         assert not output.failed, output.failed
-        scheduler = engine.core.scheduler  # its count, kept as requests come and go, is the real one
-        assert scheduler.host_paced_running == sum(state.host_paced for state in scheduler.running)
+        scheduler = engine.core.scheduler  # its list, kept as requests come and go, is the real one
+        assert scheduler.host_paced == [state for state in scheduler.running if state.host_paced]
         # What packing's shortcut (KVCache.packed) relies on: the slots in use are the live sequences'.
         live = sorted(seq.slot for state in scheduler.running for seq in state.live)
         assert len(live) == engine.cache.slots_used
@@ -96,7 +96,7 @@ def run(make_engine, entries, overlap: bool, cancel: dict[str, int] | None = Non
         results.update((f.request_id, outcome(f)) for f in output.finished)
         ahead += engine.core._launched is not None
         if paced is not None:
-            paced.append(engine.core._launched is not None and scheduler.host_paced_running > 0)
+            paced.append(engine.core._launched is not None and bool(scheduler.host_paced))
         if len(results) == len(requests) and not engine.has_work():
             assert engine.cache.slots_used == 0  # nothing leaked
             return results, ahead
