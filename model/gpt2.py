@@ -115,12 +115,14 @@ def attend_by_row(
     attend: the layer's arithmetic (its scale, float32 scores or not).
     """
     outputs = []
+    own_rows = isinstance(keys, list)  # each row's keys exactly its first L_b: no slicing them again
     for b, (q, (n, length)) in enumerate(zip(queries, ctx.row_spans)):
-        own_keys, own_values = (keys[b], values[b]) if isinstance(keys, list) else (keys[b : b + 1], values[b : b + 1])
+        own_keys, own_values = (keys[b], values[b]) if own_rows else (keys[b : b + 1], values[b : b + 1])
         if ctx.query_blocks:
             outputs.append(attend_in_blocks(q, own_keys, own_values, length - n, attend))
         elif n == 1:
-            outputs.append(attend(q, own_keys[:, :, :length], own_values[:, :, :length], None))
+            outputs.append(attend(q, own_keys, own_values, None) if own_rows else
+                           attend(q, own_keys[:, :, :length], own_values[:, :, :length], None))
         else:
             first = length - n + 1  # how many keys the row's first query sees
             outputs.append(torch.cat([attend(query, own_keys[:, :, : first + j], own_values[:, :, : first + j], None)
