@@ -27,7 +27,8 @@ import torch
 
 from model.config import PRESETS, GPT2Config
 from model.gpt2 import GPT2
-from model.kv_cache import KVCache, blocks_for, bytes_per_token
+from model.block_tables import blocks_for
+from model.kv_cache import KVCache, bytes_per_token
 from service.inprocess import Engine, EngineConfig
 from service.engine.types import GenerationRequest, SamplingParams
 from weights.checkpoint import build_model, load_model

@@ -13,7 +13,8 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from model.kv_cache import KVCache, blocks_for
+from model.block_tables import blocks_for
+from model.kv_cache import KVCache
 from service.engine.prefix_cache import PrefixMatch
 from service.engine.requests import RequestState
 from service.engine.row_features import uses_counts, uses_history

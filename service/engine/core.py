@@ -31,7 +31,8 @@ from dataclasses import dataclass
 import torch
 
 from model.gpt2 import GPT2
-from model.kv_cache import BLOCK_SIZE, KVCache, blocks_for, bytes_per_token
+from model.block_tables import BLOCK_SIZE, blocks_for
+from model.kv_cache import KVCache, bytes_per_token
 from service.engine.adapters import ServedAdapters
 from service.engine.grammar import Grammars
 from service.engine.ngram_drafter import NgramSettings

@@ -142,7 +142,8 @@ def test_on_a_gpu_the_budget_is_a_fraction_of_free_memory_capped_at_full_rows():
     given win; without free memory known (the CPU) the sequences' default holds."""
     import torch
 
-    from model.kv_cache import blocks_for, bytes_per_token
+    from model.block_tables import blocks_for
+    from model.kv_cache import bytes_per_token
     from service.engine.core import EngineConfig, kv_blocks
 
     per_block = bytes_per_token(TINY, torch.float16) * 16

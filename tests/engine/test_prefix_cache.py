@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from model.block_pool import BlockPool
-from model.kv_cache import BLOCK_SIZE
+from model.block_tables import BLOCK_SIZE
 from model.lora import BASE
 from service.engine import faults
 from service.engine.prefix_cache import ROOT, block_key, common_prefix_length

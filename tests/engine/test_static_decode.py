@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model.kv_cache import SCRATCH, KVCache
+from model.block_tables import SCRATCH
+from model.kv_cache import KVCache
 from service.engine.graphs import StaticDecode, ladder, next_size
 from tests.conftest import TINY
 from tests.engine.conftest import hf_generate, make_request, random_prompt, run_until_idle

@@ -21,8 +21,8 @@ from tests.engine.token_hops import ROUTES, TokenPath, files_of, trace
 # lengthens a path fails here, and one that shortens it should lower them. The serving path is at
 # the goal; the whole path, model/ included, is bounded too.
 GOAL_FUNCTIONS, GOAL_FILES = 25, 12
-MAX_FUNCTIONS = {"tgi": 52, "openai": 52}  # the whole path
-MAX_FILES = {"tgi": 19, "openai": 19}
+MAX_FUNCTIONS = {"tgi": 51, "openai": 51}  # the whole path
+MAX_FILES = {"tgi": 20, "openai": 20}  # 19 until the cache's row bookkeeping left kv_cache.py (block_tables.py)
 MAX_SERVING_FUNCTIONS = {"tgi": 25, "openai": 25}  # the serving path: the goal's
 MAX_SERVING_FILES = {"tgi": 12, "openai": 12}
 # The HTTP process's share alone, so that a shorter engine core cannot hide a longer HTTP side.

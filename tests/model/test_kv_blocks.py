@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model.kv_cache import SCRATCH, KVCache, blocks_for
+from model.block_tables import SCRATCH, blocks_for
+from model.kv_cache import KVCache
 from tests.model.hf_reference import random_ids
 from weights.checkpoint import load_model
 
