@@ -132,8 +132,10 @@ class BeamSearch:
         # scalars, which is torch's: a float32 divided by a Python float is divided by that float
         # rounded to float32 in both); only vocab-sized work stays on the logits' device.
         self._running_scores = [0.0] + [NEG_SCORE] * (n - 1)  # [num_beams]
-        self._running_tokens: list[list[int]] = [[] for _ in range(n)]
-        self._running_logprobs: list[list[float]] = [[] for _ in range(n)]
+        # Each running beam's generated tokens and their log-probs, newest first, as links
+        # (token, log-prob, the links before): a step adds one link a beam, however long the
+        # beams are, and beams continuing one beam share its links. Read out when one finishes.
+        self._running_paths: list[tuple | None] = [None] * n
         self._finished_scores = [NEG_SCORE] * n  # [num_beams], best first
         self._finished_flags = [False] * n  # [num_beams]
         self._finished: list[Hypothesis | None] = [None] * n
@@ -155,7 +157,7 @@ class BeamSearch:
         running = torch.tensor([self._running_scores], dtype=torch.float32)  # [1, n]
         candidates = beam_candidates(logits.expand(n, logits.shape[-1])[None], running, [self])  # [1, 3K]
         # One device-to-host transfer per step.
-        return self.advance(*split_candidates(candidates[0].cpu().numpy(), self.candidates), logits.shape[-1])
+        return self.advance(*split_candidates(candidates[0].tolist(), self.candidates), logits.shape[-1])
 
     def advance(self, top_totals: list[float], top_logprobs: list[float], flat: list[int], vocab: int) -> BeamStep:
         """Advance every beam by one token given this step's best candidates (`beam_candidates`,
@@ -179,8 +181,7 @@ class BeamSearch:
         next_tokens = [tokens[k] for k in keep]
         self._add_finished(top_totals, hits, beams, tokens, top_logprobs, generated)
         self._running_scores = [running_totals[k] for k in keep]  # [n]
-        self._running_tokens = [self._running_tokens[beams[k]] + [tokens[k]] for k in keep]
-        self._running_logprobs = [self._running_logprobs[beams[k]] + [top_logprobs[k]] for k in keep]
+        self._running_paths = [(tokens[k], top_logprobs[k], self._running_paths[beams[k]]) for k in keep]
         self._generated = generated
         self.done = self._should_stop(hits)
         if params.repetition_penalty != 1.0 and not self.done:
@@ -268,7 +269,13 @@ class BeamSearch:
 
     def _hypothesis(self, beam: int, token: int, logprob: float, score: float) -> Hypothesis:
         """The hypothesis of running beam `beam` ending with `token`."""
-        tokens, logprobs = self._running_tokens[beam] + [token], self._running_logprobs[beam] + [logprob]
+        tokens, logprobs, link = [token], [logprob], self._running_paths[beam]
+        while link is not None:
+            earlier, earlier_logprob, link = link
+            tokens.append(earlier)
+            logprobs.append(earlier_logprob)
+        tokens.reverse()
+        logprobs.reverse()
         eos = self.params.eos_token_id
         reason: BeamFinishReason = "eos_token" if eos is not None and tokens[-1] == eos else "length"
         return Hypothesis(token_ids=tokens, token_logprobs=logprobs, score=score, finish_reason=reason)
@@ -328,11 +335,12 @@ def candidate_parts(
     return top_totals, log_probs.view(count, width * vocab).gather(1, top_flat), top_flat
 
 
-def split_candidates(row: np.ndarray, candidates: int) -> tuple[list[float], list[float], list[int]]:
-    """One search's row of `beam_candidates` on the host ([3k] float64, float32 values) → its
-    first `candidates`: total scores, log-probs and flat indices, as `advance` takes them."""
-    totals, logprobs, flat = row.reshape(3, -1)[:, :candidates].tolist()
-    return totals, logprobs, list(map(int, flat))
+def split_candidates(row: list[float], candidates: int) -> tuple[list[float], list[float], list[int]]:
+    """One search's row of `beam_candidates` on the host ([3k] float64 values, as a list: every
+    search's rows come over in one `tolist`) → its first `candidates`: total scores, log-probs
+    and flat indices, as `advance` takes them."""
+    k = len(row) // 3
+    return row[:candidates], row[k : k + candidates], [int(index) for index in row[2 * k : 2 * k + candidates]]
 
 
 def best_first(scores: list[float], n: int) -> list[int]:

@@ -22,6 +22,7 @@ in beam order: sequence i is beam i, whatever slot it holds.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -138,16 +139,14 @@ def advance_beam_requests(beams: LaunchedBeams) -> BeamOutcome:
     """Each search's step from its candidates, read with the step. A search that fails (its
     logits not finite, or raising) is reported alone; its beams are left as they were."""
     outcome = BeamOutcome([], [], [])
-    candidates = beams.candidates.numpy()
-    finite = np.isfinite(candidates[:, 0]).tolist()
-    for group, row, sound in zip(beams.groups, candidates, finite):
+    for group, row in zip(beams.groups, beams.candidates.tolist()):
         state = group.state
         sequences = state.sequences
         if sequences[0].finish_reason is not None:  # ended (failed, cancelled) since its step was launched
             continue
         search = state.beam
         try:
-            if not sound:
+            if not math.isfinite(row[0]):  # the sum of its logits
                 raise RowFaultError(nonfinite(len(sequences[0].token_ids) - sequences[0].prompt_length + 1))
             step = search.advance(*split_candidates(row[1:], search.candidates), beams.vocab)
         except Exception as exc:
