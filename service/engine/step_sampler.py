@@ -97,13 +97,11 @@ class StepSampler:
             size = shape[0] * shape[1]
             both = torch.empty(size + len(rows.beams) * candidates_width(rows.beams), dtype=torch.float64,
                                device=tokens.device)
-            drawn = torch.cat(columns, dim=1, out=both[:size].view(shape))
+            torch.cat(columns, dim=1, out=both[:size].view(shape))
             candidates = launch_candidates(step_logits, rows.beams, both[size:].view(len(rows.beams), -1))
-            host = both.to("cpu", non_blocking=True)
-            if host is not both:
-                drawn, candidates = host[:size].view(shape), host[size:].view(candidates.shape)
-            launched.sampled = drawn
-            launched.beams = LaunchedBeams(rows.beams, candidates, step_logits.shape[-1])
+            host = both.to("cpu", non_blocking=True)  # views of the host's copy (on a CPU, of `both`)
+            launched.sampled = host[:size].view(shape)
+            launched.beams = LaunchedBeams(rows.beams, host[size:].view(candidates.shape), step_logits.shape[-1])
         else:
             launched.sampled = host = torch.cat(columns, dim=1).to("cpu", non_blocking=True)
         launched.alternatives, launched.faults = n, faults
