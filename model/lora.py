@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -253,16 +253,31 @@ class LoraRows:
 
     adapters: LoraSet
     adapter_of_row: list[int]
+    # `grouped_by_adapter` of the rows, one token each: found once (a Python pass over the batch)
+    # for both `by_adapter` and a decode forward's `over_rows`.
+    _rows_grouped: tuple[list[int], list[tuple[int, int, int]]] | None = field(default=None, repr=False, compare=False)
 
     def by_adapter(self) -> tuple[list[int], list[int], LoraRows] | None:
         """(order, its inverse, the rows in that order): the batch's rows reordered so each
         adapter's are consecutive, as `over_tokens` groups them; None when they already are. A
         forward that runs its rows in this order groups them once (GPT2.forward) instead of
         gathering them at every adapted layer."""
-        order, _spans = grouped_by_adapter(self.adapter_of_row, [1] * len(self.adapter_of_row))
+        order, spans = self.rows_grouped()
         if order == list(range(len(order))):
             return None
-        return order, inverse_of(order), LoraRows(self.adapters, [self.adapter_of_row[row] for row in order])
+        # Its rows come grouped: in order, each adapter's slice where it was.
+        grouped = LoraRows(self.adapters, [self.adapter_of_row[row] for row in order], (list(range(len(order))), spans))
+        return order, inverse_of(order), grouped
+
+    def rows_grouped(self) -> tuple[list[int], list[tuple[int, int, int]]]:
+        if self._rows_grouped is None:
+            self._rows_grouped = grouped_by_adapter(self.adapter_of_row, [1] * len(self.adapter_of_row))
+        return self._rows_grouped
+
+    def over_rows(self, device: torch.device) -> LoraGroups:
+        """`over_tokens` for one token a row (a decode step)."""
+        order, spans = self.rows_grouped()
+        return LoraGroups(self.adapters, order, spans, device)
 
     def over_tokens(self, tokens_per_row: Sequence[int], device: torch.device) -> LoraGroups:
         """The flattened tokens of each adapter, row b owning the next tokens_per_row[b] of them.
