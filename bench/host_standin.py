@@ -24,7 +24,7 @@ compute, no copy), so alternatives, grammar masks and beams' candidates see real
 the draw's ids repeat with a period of PERIOD positions (so n-gram drafts find their loop and
 stand), are never the vocabulary's last id (its EOS), and where a row's grammar forbids the id
 (its logit is -inf) the row takes its best allowed token; a LoRA forward groups its rows by
-adapter and builds the groups (`LoraRows.by_adapter`, `over_rows`: the host's part of it). Meant for a model of a small
+adapter and builds the groups (`LoraRows.by_adapter`, `over_width`: the host's part of it). Meant for a model of a small
 vocabulary (host_core.py's: V = 512, with GPT-2's first 511 tokens), since every vocabulary-wide
 operation the device would run costs host CPU here.
 
@@ -123,7 +123,7 @@ class VocabularyForwards:
             self.lora_forwards += 1
             grouped = lora.by_adapter()
             lora = lora if grouped is None else grouped[2]
-            lora.over_rows(input_ids.device) if width == 1 else lora.over_tokens([width] * batch, input_ids.device)
+            lora.over_width(width, input_ids.device)
         return ForwardOutput(logits=random_logits(batch * width, self.vocabulary).view(batch, width, -1))  # [B, T, V]
 
     def forward_packed(self, input_ids: torch.Tensor, packing, cache, rows, kv_length, output_hidden_states=False,

@@ -420,7 +420,7 @@ class GPT2(nn.Module):
             ctx.row_spans = [(1, position + 1) for position in positions[:, 0].tolist()]  # decode: keys 0..p
             ctx.row_reads = cache.row_reads(rows, [length for _, length in ctx.row_spans])
         if lora is not None:
-            ctx.lora = lora.over_rows(input_ids.device) if T == 1 else lora.over_tokens([T] * B, input_ids.device)
+            ctx.lora = lora.over_width(T, input_ids.device)
 
         x = self.embed_tokens(input_ids) + self.wpe(positions)  # [B, T, C]
         x, hidden, attentions = run_blocks(self.h, x, ctx, output_hidden_states)

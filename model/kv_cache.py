@@ -46,7 +46,6 @@ class RowReads:
 
 
 
-
 class KVCache(BlockTables):
     """Keys and values for `max_slots` rows of up to `max_len` positions, in `num_blocks` blocks.
 

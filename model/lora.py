@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from model.linear import Conv1D
@@ -254,7 +253,7 @@ class LoraRows:
     adapters: LoraSet
     adapter_of_row: list[int]
     # `grouped_by_adapter` of the rows, one token each: found once (a Python pass over the batch)
-    # for both `by_adapter` and a decode forward's `over_rows`.
+    # for both `by_adapter` and a decode forward's `over_width`.
     _rows_grouped: tuple[list[int], list[tuple[int, int, int]]] | None = field(default=None, repr=False, compare=False)
 
     def by_adapter(self) -> tuple[list[int], list[int], LoraRows] | None:
@@ -262,21 +261,24 @@ class LoraRows:
         adapter's are consecutive, as `over_tokens` groups them; None when they already are. A
         forward that runs its rows in this order groups them once (GPT2.forward) instead of
         gathering them at every adapted layer."""
-        order, spans = self.rows_grouped()
+        order, spans = self._grouped_rows()
         if order == list(range(len(order))):
             return None
         # Its rows come grouped: in order, each adapter's slice where it was.
         grouped = LoraRows(self.adapters, [self.adapter_of_row[row] for row in order], (list(range(len(order))), spans))
         return order, inverse_of(order), grouped
 
-    def rows_grouped(self) -> tuple[list[int], list[tuple[int, int, int]]]:
+    def _grouped_rows(self) -> tuple[list[int], list[tuple[int, int, int]]]:
         if self._rows_grouped is None:
             self._rows_grouped = grouped_by_adapter(self.adapter_of_row, [1] * len(self.adapter_of_row))
         return self._rows_grouped
 
-    def over_rows(self, device: torch.device) -> LoraGroups:
-        """`over_tokens` for one token a row (a decode step)."""
-        order, spans = self.rows_grouped()
+    def over_width(self, width: int, device: torch.device) -> LoraGroups:
+        """`over_tokens` for `width` tokens a row ([B, T] input ids); a decode step's one token a
+        row reuses the rows' grouping (`by_adapter` found it)."""
+        if width != 1:
+            return self.over_tokens([width] * len(self.adapter_of_row), device)
+        order, spans = self._grouped_rows()
         return LoraGroups(self.adapters, order, spans, device)
 
     def over_tokens(self, tokens_per_row: Sequence[int], device: torch.device) -> LoraGroups:

@@ -8,6 +8,7 @@ position) would round otherwise than the same row among others (docs/batch-invar
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -98,23 +99,13 @@ def top_nonpositive(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.T
     return values.gather(1, index), index
 
 
-_REVERSED: dict[tuple[int, torch.device], torch.Tensor] = {}
-_SIGNED: dict[tuple[int, torch.device], torch.Tensor] = {}
-
-
+@functools.cache
 def signed_index(width: int, device: torch.device) -> torch.Tensor:
     """[W] int64: i with bit 63 set, at i (made once per width and device: read only)."""
-    key = (width, device)
-    found = _SIGNED.get(key)
-    if found is None:
-        found = _SIGNED[key] = torch.arange(width, device=device).bitwise_or_(-(1 << 63))
-    return found
+    return torch.arange(width, device=device).bitwise_or_(-(1 << 63))
 
 
+@functools.cache
 def reversed_index(width: int, device: torch.device) -> torch.Tensor:
     """[W] int64: W - 1 - i at i (made once per width and device: read only)."""
-    key = (width, device)
-    found = _REVERSED.get(key)
-    if found is None:
-        found = _REVERSED[key] = width - 1 - torch.arange(width, device=device)
-    return found
+    return width - 1 - torch.arange(width, device=device)

@@ -20,7 +20,6 @@ from operator import attrgetter
 
 import numpy as np
 
-from model.block_tables import blocks_for
 from model.kv_cache import KVCache
 from model.lora import BASE
 from service.engine.beams import BeamMove, advance_beam_requests, beam_results, start_beam_search
