@@ -87,7 +87,8 @@ class Metrics:
         self.request_failures = Counter(
             "gpt2_request_failures",
             "Requests the engine failed, by cause (nonfinite_logits, grammar, beam_search: the request's own "
-            "rows, the rest of the step went on; step: a step that failed whole; refused; core_exit)",
+            "rows, the rest of the step went on; start: one that could not start, alone; step: a step that "
+            "failed whole; refused; core_exit)",
             ["cause"], registry=r,
         )
         self.queue_duration = Histogram(

@@ -174,11 +174,12 @@ class EngineCore:
             # that needs its last token on the host to build its next step (a draft, a beam)
             # sits out the steps launched before that token is read (Scheduler.schedule).
             previous, self._launched = self._launched, None
-            if self.grammars is not None and scheduler.waiting_count:
+            if self.grammars is not None and scheduler.waiting.count:
                 failed += scheduler.refuse_uncompiled()
             # With a step in flight, some sequences may have drawn their last token already.
             plan = scheduler.schedule(started, runner.exhausted() if previous is not None else [], previous is not None)
             results.done += [scheduler.finish(state) for state in plan.cancelled]
+            failed += plan.failed
             prefill_tokens, cached_tokens = plan.prefill_tokens, plan.cached_tokens
             prefix_hits = cached_tokens // self.cache.block_size  # blocks: reuse is whole blocks
             runner.prepare(plan)
@@ -219,7 +220,7 @@ class EngineCore:
             cached_prompt_tokens=cached_tokens,
             decode_tokens=decode_tokens,
             running=len(scheduler.running),
-            waiting=scheduler.waiting_count,
+            waiting=scheduler.waiting.count,
             kv_slots_used=self.cache.slots_used,
             kv_slots_total=self.cache.max_slots,
             step_seconds=self.clock() - started,

@@ -2,8 +2,8 @@
 non-finite logits that the chaos tests use.
 
 A step serves many requests at once, so anything that goes wrong in one row (logits that are
-not finite, a grammar that fails, a beam search that raises) must end that request and no
-other. Only a failure the core cannot attribute to a row (a forward that raises, a broken
+not finite, a grammar that fails, a beam search that raises), or in starting one admitted
+request, must end that request and no other. Only a failure the core cannot attribute to a row (a forward that raises, a broken
 device) fails the whole step.
 
 Detection costs the step nothing: a row's token log-probability, which the sampler copies to
@@ -22,6 +22,7 @@ import torch
 NONFINITE = "nonfinite_logits"
 GRAMMAR = "grammar"
 BEAM = "beam_search"
+START = "start"
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,12 @@ def grammar_failed(error: str) -> RowFault:
 
 def beam_failed(exc: Exception) -> RowFault:
     return RowFault(BEAM, f"beam search failed: {type(exc).__name__}: {exc}")
+
+
+def start_failed(exc: Exception) -> RowFault:
+    """Starting an admitted request raised (its beam search, its grammar's matcher, its prompt's
+    blocks): nothing of the model's, so an internal error (500) of that request alone."""
+    return RowFault(START, f"the request could not start: {type(exc).__name__}: {exc}", 500)
 
 
 class RowFaultError(Exception):

@@ -245,7 +245,7 @@ class CoreLoop:
 
     def _send_failed(self, request_ids: list[str], message: str, status: int = 500) -> None:
         cache = self.core.cache
-        stats = StepStats(0, 0, 0, len(self.core.scheduler.running), self.core.scheduler.waiting_count,
+        stats = StepStats(0, 0, 0, len(self.core.scheduler.running), self.core.scheduler.waiting.count,
                           cache.slots_used, cache.max_slots, 0.0)
         error_type = "not_found" if status == 404 else "generation"
         failed = [RequestFailed(r, message, status, error_type, "refused") for r in request_ids]

@@ -148,3 +148,5 @@ class StepPlan:
     # What the beam searches read since the last plan ask of the cache and the batch, before
     # anything else (service/engine/beams.py's BeamMove).
     beam_moves: list = field(default_factory=list)
+    # Admitted requests that failed to start (faults.start_failed), each alone: answered now.
+    failed: list = field(default_factory=list)

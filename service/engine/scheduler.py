@@ -1,20 +1,19 @@
-"""Which sequences run each step, and what becomes of them: the waiting queue, admission into
+"""Which sequences run each step, and what becomes of them: admission from the waiting queue into
 KV-cache slots (sharing cached prefix blocks) with each admitted request's sequences, prompt chunks
-within the step's prefill budget, cancellation, packing (`schedule`: one StepPlan down to the
-model runner), then the step's tokens appended, stops checked and requests finished or failed
-(`update_from_output`: the launched step read, one StepResults up). Nothing here runs the model.
+within the step's prefill budget, cancellation, preemption, packing (`schedule`: one StepPlan down
+to the model runner), then the step's tokens appended, stops checked and requests finished or
+failed (`update_from_output`: the launched step read, one StepResults up). Nothing here runs the
+model.
 
 Thread model: `submit` and `cancel` may be called from another thread than the one stepping
-(tests drive both from one) and only touch the waiting queue and the cancel set, under a lock.
-Everything else (running requests, slots) belongs to the caller of `schedule`, once per step.
+(tests drive both from one) and only touch the waiting queue (service/engine/waiting.py, under its
+lock). Everything else (running requests, slots) belongs to the caller of `schedule`, once per step.
 """
 
 from __future__ import annotations
 
 import logging
 import secrets
-import threading
-from collections import deque
 from collections.abc import Callable
 from operator import attrgetter
 
@@ -24,7 +23,7 @@ from model.kv_cache import KVCache
 from model.lora import BASE
 from service.engine.beams import BeamMove, advance_beam_requests, beam_results, start_beam_search
 from service.engine.block_room import BlockRoom, OutOfBlocks, recomputable
-from service.engine.faults import RowFault
+from service.engine.faults import RowFault, start_failed
 from service.engine.grammar import Grammars
 from service.engine.ngram_drafter import NgramSettings
 from service.engine.prefix_cache import PrefixCache, PrefixMatch, common_prefix_length
@@ -33,15 +32,8 @@ from service.engine.speculation import new_drafter, propose
 from service.engine.step_data import LaunchedStep
 from service.engine.step_reader import StepReader, StepResults
 from service.engine.validation import validate_request
-from service.engine.types import (
-    EngineStopped,
-    FinishReason,
-    GenerationRequest,
-    QueueFull,
-    RequestDone,
-    RequestFailed,
-    RequestStarted,
-)
+from service.engine.types import FinishReason, GenerationRequest, RequestDone, RequestFailed, RequestStarted
+from service.engine.waiting import WaitingQueue
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +87,7 @@ class Scheduler:
         self.speculative = speculative
         self.reader = StepReader(self, eos_token_id)
         self._beam_moves: list[BeamMove] = []  # what the beam searches read ask of the next plan
-        self.max_waiting = max_waiting
+        self.waiting = WaitingQueue(max_waiting)
         self.max_prefill_tokens = max_prefill_tokens
         self.prefix = PrefixCache(prefix_caching, cache)
         self.room = BlockRoom(cache)
@@ -107,12 +99,6 @@ class Scheduler:
         self.host_paced: list[RequestState] = []
         self.beams_running = 0  # of which beam searches
         self._by_first_token: dict[int, list[RequestState]] = {}
-        self._lock = threading.Lock()
-        self._waiting: deque[list[RequestState]] = deque()  # submissions, in arrival order
-        self.waiting_count = 0  # written under the lock; read by the stepping thread as it is
-        self._cancel: set[str] = set()
-        self._active_ids: set[str] = set()  # submitted and not yet finished
-        self._closed = False
         self.releases = 0  # sequences ended so far (finished or cancelled)
         self.preemptions = 0  # running requests sent back to the queue for want of KV blocks
 
@@ -123,43 +109,27 @@ class Scheduler:
         for request in requests:
             validate_request(request, self.cache.max_len, self.cache.max_slots)
             self.room.check_fits(request)
-        ids = [r.request_id for r in requests]
         states = [RequestState(request, adapter=index) for request, index in zip(requests, adapters or [BASE] * len(requests))]
-        with self._lock:
-            if self._closed:
-                raise EngineStopped("the engine is shutting down")
-            if len(set(ids)) < len(ids) or self._active_ids.intersection(ids):
-                raise ValueError(f"request ids must be unique among active requests: {ids}")
-            if self.waiting_count + len(states) > self.max_waiting:
-                raise QueueFull(f"{self.waiting_count} requests are already waiting")
-            self._waiting.append(states)
-            self.waiting_count += len(states)
-            self._active_ids.update(ids)
+        self.waiting.add(states)
         return states
 
     def cancel(self, request_id: str) -> None:
         """Takes effect at the next step (its slots are free after that step)."""
-        with self._lock:
-            if request_id in self._active_ids:
-                self._cancel.add(request_id)
+        self.waiting.cancel(request_id)
 
     def cancel_all(self) -> None:
-        with self._lock:
-            self._cancel.update(self._active_ids)
+        self.waiting.cancel_all()
 
     def forget(self, request_id: str) -> None:
         """The request has finished: its id may be used again."""
-        with self._lock:
-            self._active_ids.discard(request_id)
-            self._cancel.discard(request_id)
+        self.waiting.forget(request_id)
 
     def close(self) -> None:
         """Refuse new submissions from now on (draining)."""
-        with self._lock:
-            self._closed = True
+        self.waiting.close()
 
     def has_work(self) -> bool:
-        return bool(self.running) or self.waiting_count > 0 or bool(self._cancel)
+        return bool(self.running) or self.waiting.count > 0 or bool(self.waiting.cancelled)
 
     # --- stepping side --------------------------------------------------------------------------
     def schedule(self, now: float, exhausted: list[RequestState] | None = None, in_flight: bool = False) -> StepPlan:
@@ -167,10 +137,9 @@ class Scheduler:
         requests whose sequences drew their last token in it (a row more would draw past
         max_new_tokens)."""
         cancelled: list[RequestState] = []
-        if self._cancel:  # read without the lock: a cancel arriving meanwhile is taken next step
-            with self._lock:
-                cancel, self._cancel = self._cancel, set()
-                cancelled = self._drop_waiting(lambda state: state.request.request_id in cancel)
+        if self.waiting.cancelled:  # read without the lock: a cancel arriving meanwhile is taken next step
+            cancel = self.waiting.take_cancelled()
+            cancelled = self.waiting.drop(lambda state: state.request.request_id in cancel)
             leaving = [state for state in self.running if state.request.request_id in cancel]
             for state in leaving:
                 self._release_cancelled(state)
@@ -182,7 +151,7 @@ class Scheduler:
         chunks = []
         # A comprehension over every running request, the rest over the few prefilling or exhausted.
         decode = [state for state in kept if state.prefilled >= state.prompt_length]
-        prefilling, waiting = len(decode) < len(kept), self.waiting_count > 0
+        prefilling, waiting = len(decode) < len(kept), self.waiting.count > 0
         budget = PrefillBudget(self.max_prefill_tokens) if prefilling or waiting else None
         if prefilling:
             for state in [state for state in kept if state.prefilled < state.prompt_length]:
@@ -224,7 +193,7 @@ class Scheduler:
         if paced and len(decode) < stepping_before:  # a drafter preempted by _grow drafts nothing
             stepping = {id(state) for state in decode}
             paced = [state for state in paced if id(state) in stepping]
-        admitted = self._admit(now, budget, chunks) if waiting else []
+        admitted, unstarted = self._admit(now, budget, chunks) if waiting else ([], [])
         moves = [] if self.cache.packed else self._pack()  # packed: no live sequence above a hole
         for chunk in chunks:  # what the plan's forwards write, before anyone can read it
             state = chunk.state
@@ -241,7 +210,8 @@ class Scheduler:
         plan = StepPlan(chunks, decode, cancelled, moves, [chunk.state for chunk in chunks if chunk.completes],
                         sum(chunk.end - chunk.start for chunk in chunks), sum(s.reused for s in admitted), admitted,
                         running=len(self.running), host_paced=len(self.host_paced), beams=self.beams_running,
-                        sitting_out=[seq.slot for state in sitting_out for seq in state.live], beam_moves=beam_moves)
+                        sitting_out=[seq.slot for state in sitting_out for seq in state.live], beam_moves=beam_moves,
+                        failed=[self._answer_failed(state, fault) for state, fault in unstarted])
         if self.speculative is not None and paced:  # drafters are host-paced
             # The batch a draft token is priced against: every running sequence (held slots: a
             # count, not a pass over the rows), those sitting this step out too (they run the next).
@@ -253,42 +223,46 @@ class Scheduler:
 
     def _admit(
         self, now: float, budget: PrefillBudget, chunks: list[PrefillChunk]
-    ) -> list[RequestState]:
-        """Admit waiting requests in arrival order while slots and the prefill budget allow.
+    ) -> tuple[list[RequestState], list[tuple[RequestState, RowFault]]]:
+        """Admit waiting requests in arrival order while slots and the prefill budget allow: those
+        started, and those that failed to (each alone: nothing of it is left running).
 
         One whose prompt shares a long prefix with a prompt still being prefilled waits for it
         (the requests behind it go on), so the shared part is computed once.
         """
-        admitted: list[RequestState] = []
-        with self._lock:
-            try:
-                for state in [state for submission in self._waiting for state in submission]:
-                    if state.slots_needed > self.cache.slots_free:
-                        break  # first come, first served: nobody overtakes another for slots
-                    if not self._grammar_ready(state):  # compiling off the step loop: the others go on
+        unstarted = []
+        with self.waiting.admitting() as (waiting, admitted):
+            for state in waiting:
+                if state.slots_needed > self.cache.slots_free:
+                    break  # first come, first served: nobody overtakes another for slots
+                if not self._grammar_ready(state):  # compiling off the step loop: the others go on
+                    continue
+                match = None
+                if self.prefix.enabled:  # without the cache, nothing is reused or worth waiting for
+                    match = self._match(state)
+                    if not state.resumed and self._worth_waiting(state, match.length if match else 0):
                         continue
-                    match = None
-                    if self.prefix.enabled:  # without the cache, nothing is reused or worth waiting for
-                        match = self._match(state)
-                        if not state.resumed and self._worth_waiting(state, match.length if match else 0):
-                            continue
-                    reused = match.length if match else 0
-                    if not self.room.admits(state, match, len(self.running)):
-                        break  # nor for blocks
-                    # (A preempted sequence whose every block was found has nothing to prefill.)
-                    remaining = state.prompt_length - reused
-                    size = budget.take(remaining) if remaining else 0
-                    if remaining and not size:
-                        break
-                    admitted.append(state)
+                reused = match.length if match else 0
+                if not self.room.admits(state, match, len(self.running)):
+                    break  # nor for blocks
+                # (A preempted sequence whose every block was found has nothing to prefill.)
+                remaining = state.prompt_length - reused
+                size = budget.take(remaining) if remaining else 0
+                if remaining and not size:
+                    break
+                admitted.append(state)  # out of the queue, started or not
+                try:
                     self._place(state, match, now)
-                    if size:
-                        chunks.append(PrefillChunk(state, reused, reused + size))
-            finally:  # also when starting one failed: those admitted before it are running
-                taken = {id(state) for state in admitted}
-                self._waiting = deque(k for s in self._waiting if (k := [x for x in s if id(x) not in taken]))
-                self.waiting_count -= len(admitted)
-        return admitted
+                except Exception as exc:
+                    log.exception("request %s could not start", state.request.request_id)
+                    unstarted.append((state, start_failed(exc)))
+                    continue
+                if size:
+                    chunks.append(PrefillChunk(state, reused, reused + size))
+        if unstarted:
+            failed = {id(state) for state, _ in unstarted}
+            admitted = [state for state in admitted if id(state) not in failed]
+        return admitted, unstarted
 
     def _match(self, state: RequestState) -> PrefixMatch | None:
         """The cached blocks an admission shares: of its prompt, or of a preempted sequence's
@@ -317,17 +291,11 @@ class Scheduler:
 
     def _place(self, state: RequestState, match: PrefixMatch | None, now: float) -> None:
         """Give an admitted request its slots, the first one starting with the cached blocks it
-        shares."""
+        shares. If that raises, the slots and blocks are given back and it is not running."""
         state.scheduled_time = now
         slots = self.cache.allocate(state.slots_needed, tokens=0)
         try:
             self.room.place(state, slots, match)  # blocks for the prompt
-        except Exception:
-            self.cache.free(slots)
-            raise
-        # Running before it starts: if starting it fails, the step's failure handling reports it.
-        self.running.append(state)
-        try:
             if state.resumed:  # preempted: its sequence goes on, on a new row
                 state.sequences[0].slot = slots[0]
             else:
@@ -335,6 +303,7 @@ class Scheduler:
         except Exception:
             self.cache.free(slots)
             raise
+        self.running.append(state)
         if state.host_paced:
             self.host_paced.append(state)
         self.beams_running += state.beam is not None
@@ -367,12 +336,21 @@ class Scheduler:
 
     def _grammar_ready(self, state: RequestState) -> bool:
         grammar = state.params.grammar
-        return grammar is None or (self.grammars.ready(grammar) and grammar not in self.grammars.errors)
+        if grammar is None:
+            return True
+        if not self.grammars.ready(grammar) or grammar in self.grammars.errors:
+            return False
+        if not self.grammars.cached(grammar):
+            # Dropped from the cache since it compiled (more grammars came after it than the cache
+            # holds): compiled again on the worker, not by its matcher here on the step loop.
+            self.grammars.prepare(grammar)
+            return False
+        return True
 
     def refuse_uncompiled(self) -> list[RequestFailed]:
         """Take the grammars compiled since the last step. Waiting requests whose grammar failed to
         compile (the HTTP side checked it, so this is rare) each fail alone, before holding a slot."""
-        if self.grammars is None or not self.waiting_count:  # only a waiting request awaits one
+        if self.grammars is None or not self.waiting.count:  # only a waiting request awaits one
             return []
         self.grammars.collect()
         errors = self.grammars.errors
@@ -447,13 +425,15 @@ class Scheduler:
             if state.reported:
                 continue
             leaving.append(state)
-            log.warning("request %s failed alone (%s): %s", state.request.request_id, fault.cause, fault.message)
-            state.reported = True
-            self.forget(state.request.request_id)
-            answers.append(RequestFailed(state.request.request_id, fault.message, fault.status, fault.error_type,
-                                         fault.cause))
+            answers.append(self._answer_failed(state, fault))
         self.leave(leaving)
         return answers
+
+    def _answer_failed(self, state: RequestState, fault: RowFault) -> RequestFailed:
+        log.warning("request %s failed alone (%s): %s", state.request.request_id, fault.cause, fault.message)
+        state.reported = True
+        self.forget(state.request.request_id)
+        return RequestFailed(state.request.request_id, fault.message, fault.status, fault.error_type, fault.cause)
 
     def finish(self, state: RequestState) -> RequestDone:
         """The request's answer is complete (its sequences ended, or it was cancelled)."""
@@ -501,9 +481,7 @@ class Scheduler:
 
     def adapter_in_use(self, adapter: int) -> bool:
         """Whether a running or waiting request uses the adapter."""
-        with self._lock:
-            waiting = [state for submission in self._waiting for state in submission]
-        return any(state.adapter == adapter for state in self.running + waiting)
+        return any(state.adapter == adapter for state in self.running + self.waiting.states())
 
     def leave(self, states: list[RequestState]) -> None:
         """Running requests leave (finished or cancelled): what is kept about the running follows."""
@@ -536,20 +514,9 @@ class Scheduler:
 
     def refuse_waiting(self, refused: Callable[[RequestState], bool]) -> list[RequestState]:
         """Take the waiting requests `refused` says will never run out of the queue, and forget them."""
-        with self._lock:
-            dropped = self._drop_waiting(refused)
+        dropped = self.waiting.drop(refused)
         for state in dropped:
             self.forget(state.request.request_id)
-        return dropped
-
-    def _drop_waiting(self, dropping: Callable[[RequestState], bool]) -> list[RequestState]:
-        dropped = []
-        for submission in self._waiting:
-            for state in [s for s in submission if dropping(s)]:
-                submission.remove(state)
-                dropped.append(state)
-        self._waiting = deque(s for s in self._waiting if s)
-        self.waiting_count -= len(dropped)
         return dropped
 
     def _grow(self, decode: list[RequestState], chunks: list[PrefillChunk], slots: np.ndarray,
@@ -594,9 +561,7 @@ class Scheduler:
             state.prompt_length = len(seq.token_ids) - 1
         state.prefilled = state.reused = seq.cached = 0
         self.preemptions += 1
-        with self._lock:
-            self._waiting.appendleft([state])
-            self.waiting_count += 1
+        self.waiting.push_front(state)
 
     def _pack(self) -> list[tuple[int, int, int, bool]]:
         """Move sequences from the highest slots into holes below, so the batch stays one span.

@@ -14,7 +14,7 @@ ENGINE = Path(__file__).resolve().parents[2] / "service" / "engine"
 # What runs the model or owns device state for it: the runner's side.
 RUNNER_SIDE = {"runner", "input_batch", "layout", "step_sampler", "graphs", "forward", "prompt_scores"}
 # What owns requests: the scheduler's side.
-SCHEDULER_SIDE = {"scheduler", "step_reader", "prefix_cache", "validation"}
+SCHEDULER_SIDE = {"scheduler", "step_reader", "prefix_cache", "validation", "waiting"}
 
 
 def engine_imports(module: str, folder: Path = ENGINE) -> set[str]:

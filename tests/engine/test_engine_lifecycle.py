@@ -135,13 +135,13 @@ def test_cancelling_a_waiting_request_removes_it_without_running_it(make_engine)
     engine.submit([make_request(random_prompt(5, seed=1), request_id="first", max_new_tokens=6)])
     engine.submit([make_request(random_prompt(5, seed=2), request_id="queued", max_new_tokens=6)])
     engine.step()
-    assert engine.scheduler.waiting_count == 1
+    assert engine.scheduler.waiting.count == 1
     engine.cancel("queued")
     output = engine.step()
     assert [f.request_id for f in output.finished] == ["queued"]
     assert output.finished[0].sequences[0].finish_reason == "cancelled"
     assert output.finished[0].first_token_seconds is None
-    assert engine.scheduler.waiting_count == 0
+    assert engine.scheduler.waiting.count == 0
     assert [f.request_id for f in run_until_idle(engine)] == ["first"]
 
 
@@ -157,7 +157,7 @@ def test_queue_limit_raises_queue_full_and_queues_nothing(make_engine):
     engine.submit([make_request([1, 2], max_new_tokens=2), make_request([3], max_new_tokens=2)])
     with pytest.raises(QueueFull):
         engine.submit([make_request([4], max_new_tokens=2)])
-    assert engine.scheduler.waiting_count == 2
+    assert engine.scheduler.waiting.count == 2
     run_until_idle(engine)
     engine.submit([make_request([4], max_new_tokens=2)])  # room again
 
@@ -225,7 +225,7 @@ def test_a_failure_while_admitting_fails_the_step_and_leaks_no_slot(make_engine,
     # one no slot was left for waits its turn.
     assert sorted(f.request_id for f in output.failed) == ["r0", "r1"]
     assert "cannot write parameters" in output.failed[0].message
-    assert engine.cache.slots_used == 0 and engine.scheduler.waiting_count == 1
+    assert engine.cache.slots_used == 0 and engine.scheduler.waiting.count == 1
     [r2] = run_until_idle(engine)
     assert r2.request_id == "r2" and r2.sequences[0].token_ids == hf_generate(hf_model, [1, 2], 3)
     [after] = engine.generate([make_request([5, 6], max_new_tokens=3)])  # still serving

@@ -184,6 +184,48 @@ def test_a_beam_search_that_raises_fails_alone(make_engine, monkeypatch, alone):
     assert finished == alone
 
 
+@pytest.mark.parametrize("part", ["beam search", "grammar matcher", "blocks"])
+def test_a_request_that_fails_to_start_fails_alone(make_engine, monkeypatch, alone, part):
+    """Starting an admitted request (its beam search, its grammar's matcher, its prompt's blocks)
+    raises: that request fails with an error of its own, nothing of it stays behind (rows,
+    blocks, its id), and the requests beside it run as they do without it."""
+    import service.engine.scheduler as scheduler_module
+
+    engine = make_engine()
+    scheduler = engine.core.scheduler
+    hostile = make_request(random_prompt(6, seed=83), "hostile", max_new_tokens=6,
+                           **{"beam search": dict(num_beams=4), "grammar matcher": dict(grammar=REGEX.replace("2,6", "1,5"))}.get(part, {}))
+
+    def breaking(real, hostile_when):
+        def call(*args, **kwargs):
+            if hostile_when(*args):
+                raise RuntimeError(f"injected {part} failure")
+            return real(*args, **kwargs)
+        return call
+
+    if part == "beam search":
+        monkeypatch.setattr(scheduler_module, "start_beam_search",
+                            breaking(scheduler_module.start_beam_search, lambda params, *_: params.num_beams == 4))
+    elif part == "grammar matcher":
+        monkeypatch.setattr(engine.core.grammars, "matcher",
+                            breaking(engine.core.grammars.matcher, lambda grammar: grammar == hostile.params.grammar))
+    else:
+        monkeypatch.setattr(scheduler.room, "place",
+                            breaking(scheduler.room.place, lambda state, *_: state.request is hostile))
+    free_blocks = engine.cache.blocks_free
+    finished, failed = run(engine, bystanders() + [hostile])
+    assert list(failed) == ["hostile"]
+    failure = failed["hostile"]
+    assert (failure.status, failure.error_type, failure.cause) == (500, "generation", "start")
+    assert f"injected {part} failure" in failure.message
+    assert finished == alone
+    assert engine.cache.slots_used == 0 and engine.cache.blocks_free == free_blocks
+    assert scheduler.running == [] and scheduler.host_paced == [] and scheduler.beams_running == 0
+    again = make_request(random_prompt(6, seed=83), "hostile", max_new_tokens=3)  # its id is free again
+    finished, failed = run(engine, [again])
+    assert not failed and len(finished["hostile"][0][0]) == 3
+
+
 def test_non_finite_beam_logits_fail_the_beam_request_alone(make_engine, monkeypatch, alone):
     """Non-finite logits that only the search reads (its rows' draws, unused, see finite ones)."""
     import service.engine.step_sampler as sampler_module

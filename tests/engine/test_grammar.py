@@ -14,7 +14,7 @@ import pytest
 
 from service.engine.grammar import Grammars, bitmask_words
 from service.http.grammar import JSON_DEFAULTS, MAX_OPTIONAL_PROPERTIES
-from tests.engine.conftest import make_request, random_prompt, run_until_idle
+from tests.engine.conftest import make_request, random_prompt
 
 import llguidance
 
@@ -148,7 +148,7 @@ def test_a_grammar_that_does_not_compile_is_refused_alone(make_engine):
     assert [f.request_id for f in failed] == [bad.request_id] and "does not compile" in failed[0].message
     # The request already running is not disturbed, and nothing is left holding a slot.
     assert [f.request_id for f in finished] == [running.request_id] and finished[0].sequences[0].finish_reason == "length"
-    assert engine.cache.slots_used == 0 and engine.scheduler.waiting_count == 0
+    assert engine.cache.slots_used == 0 and engine.scheduler.waiting.count == 0
 
 
 def test_grammars_compile_off_the_step_loop(make_engine, monkeypatch):
@@ -166,7 +166,7 @@ def test_grammars_compile_off_the_step_loop(make_engine, monkeypatch):
     for _ in range(8):  # the compile is held: the free request (behind it in the queue) runs to its end
         done.update((f.request_id, f) for f in engine.step().finished)
     assert list(done) == [free.request_id]
-    assert engine.scheduler.waiting_count == 1
+    assert engine.scheduler.waiting.count == 1
     release.set()
     deadline = time.monotonic() + 60  # steps with nothing to run are quick: wait in time, not steps
     while engine.has_work() and time.monotonic() < deadline:
@@ -174,6 +174,35 @@ def test_grammars_compile_off_the_step_loop(make_engine, monkeypatch):
     text = done[constrained.request_id].sequences[0].text
     assert done[constrained.request_id].sequences[0].finish_reason == "eos_token", text
     jsonschema.validate(json.loads(text), SCHEMAS[0])
+
+
+def test_a_grammar_dropped_from_the_cache_before_admission_compiles_again_off_the_step_loop(make_engine, monkeypatch):
+    """More grammars than the cache holds arrive while a request waits for a slot: its compiled
+    grammar is dropped before it is admitted. It is compiled again on the worker thread, not on
+    the step loop (where a heavy grammar's compile, ~0.1 s, would stall every stream)."""
+    import threading
+
+    import service.engine.grammar as grammar_module
+
+    monkeypatch.setattr(grammar_module, "CACHE_SIZE", 1)
+    engine = make_engine(max_slots=1)
+    built_on = []
+    build = Grammars._build
+    monkeypatch.setattr(Grammars, "_build", lambda self, grammar: (built_on.append(threading.current_thread()), build(self, grammar))[1])
+    first, second = (make_request([1, 2, 3], f"g{i}", max_new_tokens=100, grammar=schema_grammar(schema))
+                     for i, schema in enumerate(SCHEMAS[:2]))
+    engine.submit([make_request([4, 5, 6], "free", max_new_tokens=8)])  # holds the one slot a while
+    engine.step()
+    engine.submit([first, second])
+    done = {}
+    deadline = time.monotonic() + 60
+    while engine.has_work() and time.monotonic() < deadline:
+        done.update((f.request_id, f) for f in engine.step().finished)
+    assert set(done) == {"free", "g0", "g1"}
+    for schema, request in zip(SCHEMAS, (first, second)):
+        jsonschema.validate(json.loads(done[request.request_id].sequences[0].text), schema)
+    assert len(built_on) > 2  # one compiled again: the cache held one grammar at a time
+    assert threading.main_thread() not in built_on
 
 
 @pytest.fixture(scope="module")
@@ -232,7 +261,7 @@ def test_grammars_failing_their_first_masks_are_refused_in_the_core_alone(make_e
     assert finished[running.request_id].token_ids == make_engine().generate([running])[0].sequences[0].token_ids
     assert finished[valid.request_id].finish_reason == "eos_token"
     jsonschema.validate(json.loads(finished[valid.request_id].text), SCHEMAS[0])
-    assert engine.cache.slots_used == 0 and engine.scheduler.waiting_count == 0
+    assert engine.cache.slots_used == 0 and engine.scheduler.waiting.count == 0
 
 
 @pytest.mark.parametrize("name", list(FAILING_GRAMMARS))
