@@ -20,6 +20,18 @@ into a loop, or out of one, is followed within a few steps. A sequence whose dra
 paying drafts nothing, and its estimate creeps back towards an even prior (0.5% of the way per
 step): after a failing stretch it tries one token again some steps later (for one client on a
 CPU, about every eight), and never at a batch where even p = 0.5 does not pay.
+
+With the core's overlap (step n + 1 launched before step n is read), a draft costs more: it
+follows the sequence's last token, which is in flight, so the sequence sits a step out to draft
+(Scheduler.schedule). Where other rows run that step, two steps then make 1 + E tokens,
+E = p + p^2 + ... + p^j for a draft of j, where decoding as a plain row, fed from the device,
+makes two; where nothing else would run, the step it sits out is empty and costs only the wait
+for the read. So while its token is in flight a sequence whose draft would pay its rows sits out
+if its last look at its n-gram index found a draft and either E >= 1 or the step is otherwise
+empty; otherwise it decodes, and looks again (sits a step out to draft) every LOOK_AGAIN_STEPS
+steps, so that a sequence falling into a loop is found. Sampled text with no n-gram match then
+loses one step in nine, not one in two. math.inf rows per weight pass (always draft k) sits out
+to draft whenever it can, as without overlap it drafts at every step.
 """
 
 from __future__ import annotations
@@ -30,6 +42,7 @@ from dataclasses import dataclass
 PRIOR = 0.5  # a new sequence's estimate: half its draft tokens stand
 LEARNING_RATE = 0.3  # how far one step's draft moves the estimate towards what it showed
 RECOVERY = 0.005  # how far one step without a draft moves it back towards the prior
+LOOK_AGAIN_STEPS = 8  # with overlap: plain steps before a sequence that stopped drafting looks again
 
 
 @dataclass
@@ -37,6 +50,21 @@ class DraftAcceptance:
     """A sequence's estimate of the chance that its next draft token stands."""
 
     rate: float = PRIOR
+    found: bool = True  # its last look at its n-gram index found a draft (a new sequence looks first)
+    since_look: int = 0  # steps it decoded as a plain row (overlap) since then
+
+    def looked(self, found: bool) -> None:
+        self.found, self.since_look = found, 0
+
+    def wants_to_look(self, threshold: float, most: int, alone: bool) -> bool:
+        """With its last token in flight: whether to sit a step out and draft (see the module's
+        doc). `alone`: no other row would run in the step it sits out."""
+        length = draft_length(self.rate, threshold, most)
+        if length == 0:  # no draft would be made from it
+            return False
+        if threshold <= 0.0 or self.since_look >= LOOK_AGAIN_STEPS:
+            return True
+        return self.found and (alone or sum(self.rate**j for j in range(1, length + 1)) >= 1.0)
 
     def record(self, drafted: int, accepted: int) -> None:
         """One decode step of the sequence: it drafted `drafted` tokens (maybe 0), `accepted` stood."""

@@ -28,7 +28,7 @@ from service.engine.grammar import Grammars
 from service.engine.ngram_drafter import NgramSettings
 from service.engine.prefix_cache import PrefixCache, PrefixMatch, common_prefix_length
 from service.engine.requests import PrefillChunk, RequestState, Sequence, StepPlan
-from service.engine.speculation import new_drafter, propose
+from service.engine.speculation import new_drafter, propose, stepped_plain, wants_host_token
 from service.engine.step_data import LaunchedStep
 from service.engine.step_reader import StepReader, StepResults
 from service.engine.validation import validate_request
@@ -167,12 +167,18 @@ class Scheduler:
         if in_flight and paced:
             # Its next step needs its last token on the host (a draft, a beam): a request
             # whose token is in flight sits this step out, and overlap stays on for the others.
-            ready = []
+            # A drafter that would not draft now decodes as a plain row instead (no draft).
+            ready, waiting_for_host = [], []
             for state in paced:
-                (sitting_out if any(seq.pending for seq in state.live) else ready).append(state)
-            if sitting_out:
-                left_out.update(id(state) for state in sitting_out)
-                paced = ready
+                (waiting_for_host if any(seq.pending for seq in state.live) else ready).append(state)
+            alone = not chunks and len(decode) == len(waiting_for_host)  # no other row in this step so far
+            for state in waiting_for_host:
+                if state.beam is not None or wants_host_token(state, self.speculative, self.cache.slots_used, alone):
+                    sitting_out.append(state)
+                else:
+                    stepped_plain(state)
+            left_out.update(id(state) for state in sitting_out)
+            paced = ready  # the others step without a draft
         if left_out:
             decode = [state for state in decode if id(state) not in left_out]
         # A block for each row whose write this step starts one, a copy of the block it writes where

@@ -63,6 +63,12 @@ def test_bench_overlap_keeps_the_tokens(tiny_model_dir):
     assert_columns(out, "B=   1", "B=   3", "on/off", "identical True")
 
 
+def test_speculative_steps_counts_the_steps_and_keeps_the_tokens(tiny_model_dir):
+    out = run_bench("speculative_steps", "--model-dir", tiny_model_dir, "--clients", 3, "--new-tokens", 12)
+    assert_columns(out, "sampled, speculation on", "greedy, speculation off", "steps", "tokens a step")
+    assert out.count("same tokens") == 2 and "TOKENS DIFFER" not in out
+
+
 def test_bench_lora_serves_clients_on_adapters_and_base(tiny_model_dir):
     out = run_bench("bench_lora", "--smoke", "--model-dir", tiny_model_dir)
     assert_columns(out, "clients on", "base", "adapters", "adapters / base:", "one resident adapter:")

@@ -55,8 +55,10 @@ def run(make_engine, entries, overlap: bool, cancel: dict[str, int] | None = Non
     real_execute = engine.core.runner.execute
 
     def execute(plan, deferred):
-        # A request that needs its last token on the host never steps before that token is read.
-        assert all(not seq.pending for state in plan.decode if state.host_paced for seq in state.live)
+        # A request that needs its last token on the host never steps before that token is read:
+        # a beam, or a draft (a drafter without one this step decodes as a plain row).
+        assert all(not seq.pending or (state.beam is None and not seq.draft)
+                   for state in plan.decode if state.host_paced for seq in state.live)
         launched = real_execute(plan, deferred)
         if drafted is not None:
             drafted.append((bool(launched.rows.drafted), deferred))
@@ -239,10 +241,34 @@ def test_drafted_steps_run_ahead_and_change_nothing(make_engine):
     itself one step late: its drafters sit the next step out, its other rows feed their tokens
     from the device; every output is the synchronous one's."""
     eager = NgramSettings(weight_pass_rows=math.inf)  # every draft is worth its rows: many drafted steps
-    repeating = [(0, 20 + i, 6, dict(max_new_tokens=24, speculate=True)) for i in range(3)]
+    repeating = [(0, 20 + i, 6, dict(max_new_tokens=80, speculate=True)) for i in range(3)]
     entries = MIXED[:6] + repeating
     synchronous, _ = run(make_engine, entries, overlap=False, max_slots=12, speculative=eager)
     engine_runs = []
     overlapped, _ = run(make_engine, entries, overlap=True, max_slots=12, speculative=eager, drafted=engine_runs)
     assert overlapped == synchronous
     assert sum(1 for drafted, deferred in engine_runs if drafted and deferred) > 5
+
+
+def test_a_drafter_whose_drafts_do_not_pay_steps_every_step(make_engine, monkeypatch):
+    """A drafter sits a step out (overlap) only to draft from its last token: one whose drafts do
+    not pay at the batch's size (draft_policy.py) decodes as a plain row, fed from the device,
+    every step, and its tokens are the synchronous ones, and those without speculation."""
+    sat_out = []
+    real_schedule = Scheduler.schedule
+
+    def schedule(self, *args, **options):
+        plan = real_schedule(self, *args, **options)
+        sat_out.extend(plan.sitting_out)
+        assert not plan.drafted
+        return plan
+
+    monkeypatch.setattr(Scheduler, "schedule", schedule)
+    stingy = NgramSettings(weight_pass_rows=1e-9)  # a draft token must be sure to stand: none is
+    entries = MIXED[:6] + [(0, 20 + i, 6, dict(max_new_tokens=24, speculate=True)) for i in range(3)]
+    plain, _ = run(make_engine, entries, overlap=True, max_slots=12)
+    synchronous, _ = run(make_engine, entries, overlap=False, max_slots=12, speculative=stingy)
+    paced = []
+    overlapped, _ = run(make_engine, entries, overlap=True, max_slots=12, speculative=stingy, paced=paced)
+    assert overlapped == synchronous == plain
+    assert sum(paced) > 5 and not sat_out  # drafters ran, in flight, and none sat a step out

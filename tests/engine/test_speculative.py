@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import service.engine.layout as layout_module
-from service.engine.draft_policy import DraftAcceptance, acceptance_threshold, draft_length
+from service.engine.draft_policy import LOOK_AGAIN_STEPS, DraftAcceptance, acceptance_threshold, draft_length
 from service.engine.ngram_drafter import NgramIndex, NgramSettings, continuation
 from service.engine.speculation import kept_length, speculates
 from service.engine.types import SamplingParams
@@ -276,6 +276,26 @@ def test_acceptance_follows_recent_drafts_and_recovers_after_failures():
         acceptance.record(drafted=0, accepted=0)  # steps without a draft: back towards the prior
         steps += 1
     assert 1 < steps < 100 and acceptance.rate > failing
+
+
+def test_with_overlap_a_sequence_sits_out_only_for_drafts_worth_a_step():
+    """Its token in flight, a sequence sits a step out to draft only where the draft's expected
+    accepted tokens (p + p^2 + ...) make up for the step, or no other row runs in it, and its last
+    look found a draft; otherwise it decodes, and looks again after LOOK_AGAIN_STEPS, where a
+    draft pays its rows at all."""
+    acceptance = DraftAcceptance()  # p = 0.5: at most 0.5 + 0.25 + 0.125 + 0.0625 < 1
+    assert not acceptance.wants_to_look(0.05, most=4, alone=False)
+    assert acceptance.wants_to_look(0.05, most=4, alone=True)  # the step it sits out is empty
+    assert acceptance.wants_to_look(0.0, most=4, alone=False)  # always draft k: whenever it can
+    acceptance.rate = 0.6  # 0.6 + 0.36 + 0.216 >= 1 from three tokens
+    assert acceptance.wants_to_look(0.2, most=4, alone=False) and not acceptance.wants_to_look(0.5, most=4, alone=False)
+    acceptance.looked(found=False)  # no n-gram match last time
+    assert not acceptance.wants_to_look(0.2, most=4, alone=False) and not acceptance.wants_to_look(0.2, most=4, alone=True)
+    acceptance.since_look = LOOK_AGAIN_STEPS
+    assert acceptance.wants_to_look(0.5, most=4, alone=False)  # looks again: one token pays its row
+    assert not acceptance.wants_to_look(0.7, most=4, alone=True)  # no draft would pay its row at all
+    acceptance.looked(found=True)
+    assert acceptance.since_look == 0 and acceptance.wants_to_look(0.2, most=4, alone=False)
 
 
 def test_failing_drafts_stop_and_greedy_tokens_stay_identical(make_engine, monkeypatch):
