@@ -42,7 +42,7 @@ from dataclasses import dataclass
 PRIOR = 0.5  # a new sequence's estimate: half its draft tokens stand
 LEARNING_RATE = 0.3  # how far one step's draft moves the estimate towards what it showed
 RECOVERY = 0.005  # how far one step without a draft moves it back towards the prior
-LOOK_AGAIN_STEPS = 8  # with overlap: plain steps before a sequence that stopped drafting looks again
+LOOK_AGAIN_STEPS = 8  # with overlap: plain steps (tokens) before a sequence that stopped drafting looks again
 
 
 @dataclass
@@ -51,20 +51,21 @@ class DraftAcceptance:
 
     rate: float = PRIOR
     found: bool = True  # its last look at its n-gram index found a draft (a new sequence looks first)
-    since_look: int = 0  # steps it decoded as a plain row (overlap) since then
+    looked_at: int = 0  # the sequence's length at that look
 
-    def looked(self, found: bool) -> None:
-        self.found, self.since_look = found, 0
+    def looked(self, found: bool, length: int) -> None:
+        self.found, self.looked_at = found, length
 
-    def wants_to_look(self, threshold: float, most: int, alone: bool) -> bool:
-        """With its last token in flight: whether to sit a step out and draft (see the module's
-        doc). `alone`: no other row would run in the step it sits out."""
-        length = draft_length(self.rate, threshold, most)
-        if length == 0:  # no draft would be made from it
+    def wants_to_look(self, threshold: float, most: int, alone: bool, length: int) -> bool:
+        """With its last token in flight (`length`: the sequence's, that token counted): whether
+        to sit a step out and draft (see the module's doc). `alone`: no other row would run in the
+        step it sits out."""
+        drafted = draft_length(self.rate, threshold, most)
+        if drafted == 0:  # no draft would be made from it
             return False
-        if threshold <= 0.0 or self.since_look >= LOOK_AGAIN_STEPS:
+        if threshold <= 0.0 or length - self.looked_at > LOOK_AGAIN_STEPS:
             return True
-        return self.found and (alone or sum(self.rate**j for j in range(1, length + 1)) >= 1.0)
+        return self.found and (alone or sum(self.rate**j for j in range(1, drafted + 1)) >= 1.0)
 
     def record(self, drafted: int, accepted: int) -> None:
         """One decode step of the sequence: it drafted `drafted` tokens (maybe 0), `accepted` stood."""

@@ -3,8 +3,8 @@ non-finite logits that the chaos tests use.
 
 A step serves many requests at once, so anything that goes wrong in one row (logits that are
 not finite, a grammar that fails, a beam search that raises), or in starting one admitted
-request, must end that request and no other. Only a failure the core cannot attribute to a row (a forward that raises, a broken
-device) fails the whole step.
+request, must end that request and no other. Only a failure the core cannot attribute to a row
+(a forward that raises, a broken device) fails the whole step.
 
 Detection costs the step nothing: a row's token log-probability, which the sampler copies to
 the host anyway, is finite exactly when its logits are (log_softmax of a row holding a NaN or

@@ -28,7 +28,7 @@ from service.engine.grammar import Grammars
 from service.engine.ngram_drafter import NgramSettings
 from service.engine.prefix_cache import PrefixCache, PrefixMatch, common_prefix_length
 from service.engine.requests import PrefillChunk, RequestState, Sequence, StepPlan
-from service.engine.speculation import new_drafter, propose, stepped_plain, wants_host_token
+from service.engine.speculation import needing_host_tokens, new_drafter, propose
 from service.engine.step_data import LaunchedStep
 from service.engine.step_reader import StepReader, StepResults
 from service.engine.validation import validate_request
@@ -172,11 +172,7 @@ class Scheduler:
             for state in paced:
                 (waiting_for_host if any(seq.pending for seq in state.live) else ready).append(state)
             alone = not chunks and len(decode) == len(waiting_for_host)  # no other row in this step so far
-            for state in waiting_for_host:
-                if state.beam is not None or wants_host_token(state, self.speculative, self.cache.slots_used, alone):
-                    sitting_out.append(state)
-                else:
-                    stepped_plain(state)
+            sitting_out = needing_host_tokens(waiting_for_host, self.speculative, self.cache.slots_used, alone)
             left_out.update(id(state) for state in sitting_out)
             paced = ready  # the others step without a draft
         if left_out:

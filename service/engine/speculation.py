@@ -60,7 +60,7 @@ def propose(states: list[RequestState], settings: NgramSettings, rows: int) -> l
             room = state.params.max_new_tokens - len(seq.generated) - 1
             most = min(room, draft_length(seq.acceptance.rate, threshold, settings.tokens))
             seq.draft = seq.drafter.draft(seq.token_ids, most) if most > 0 else []
-            seq.acceptance.looked(bool(seq.draft) or most == 0)
+            seq.acceptance.looked(bool(seq.draft) or most == 0, len(seq.token_ids))
             if seq.draft and seq.matcher is not None:  # only what the grammar allows is worth a row
                 seq.draft = seq.draft[: seq.matcher.validate_tokens(seq.draft)]
             if seq.draft:
@@ -68,22 +68,19 @@ def propose(states: list[RequestState], settings: NgramSettings, rows: int) -> l
     return drafted
 
 
-def wants_host_token(state: RequestState, settings: NgramSettings, rows: int, alone: bool) -> bool:
-    """Whether a drafting request whose last token is in flight (overlap) needs it on the host
-    before its next step, and so sits that step out: a sequence verifying a draft in the step in
-    flight (its length is known once that step is read), or one that would draft from that token
-    (`DraftAcceptance.wants_to_look`, at a step of `rows`; `alone`: no other row would run in
-    that step). Otherwise it decodes as a plain row, fed from the device, with no draft
-    (`stepped_plain`)."""
-    threshold = acceptance_threshold(rows, settings.weight_pass_rows)
-    return any(seq.draft or (seq.drafter is not None and seq.acceptance.wants_to_look(threshold, settings.tokens, alone))
-               for seq in state.live)
-
-
-def stepped_plain(state: RequestState) -> None:
-    """The request's drafters decode this step as plain rows (their tokens in flight)."""
-    for seq in state.live:
-        seq.acceptance.since_look += 1
+def needing_host_tokens(states: list[RequestState], settings: NgramSettings | None, rows: int,
+                        alone: bool) -> list[RequestState]:
+    """Of host-paced requests whose last token is in flight (overlap), those that need it on the
+    host before their next step, and so sit that step out: a beam search; a sequence verifying a
+    draft in the step in flight (its length is known once that step is read); one that would
+    draft from that token (`DraftAcceptance.wants_to_look`, at a step of `rows`; `alone`: no other
+    row would run in that step). The others decode as plain rows, fed from the device, with no
+    draft."""
+    threshold = acceptance_threshold(rows, settings.weight_pass_rows) if settings is not None else 0.0
+    return [state for state in states if state.beam is not None or any(
+        seq.draft or (seq.drafter is not None and seq.acceptance.wants_to_look(threshold, settings.tokens, alone,
+                                                                             len(seq.token_ids) + seq.pending))
+        for seq in state.live)]
 
 
 def kept_length(drawn: list[int], draft: list[int]) -> int:

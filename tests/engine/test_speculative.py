@@ -284,18 +284,19 @@ def test_with_overlap_a_sequence_sits_out_only_for_drafts_worth_a_step():
     look found a draft; otherwise it decodes, and looks again after LOOK_AGAIN_STEPS, where a
     draft pays its rows at all."""
     acceptance = DraftAcceptance()  # p = 0.5: at most 0.5 + 0.25 + 0.125 + 0.0625 < 1
-    assert not acceptance.wants_to_look(0.05, most=4, alone=False)
-    assert acceptance.wants_to_look(0.05, most=4, alone=True)  # the step it sits out is empty
-    assert acceptance.wants_to_look(0.0, most=4, alone=False)  # always draft k: whenever it can
+    assert not acceptance.wants_to_look(0.05, most=4, alone=False, length=1)
+    assert acceptance.wants_to_look(0.05, most=4, alone=True, length=1)  # the step it sits out is empty
+    assert acceptance.wants_to_look(0.0, most=4, alone=False, length=1)  # always draft k: whenever it can
     acceptance.rate = 0.6  # 0.6 + 0.36 + 0.216 >= 1 from three tokens
-    assert acceptance.wants_to_look(0.2, most=4, alone=False) and not acceptance.wants_to_look(0.5, most=4, alone=False)
-    acceptance.looked(found=False)  # no n-gram match last time
-    assert not acceptance.wants_to_look(0.2, most=4, alone=False) and not acceptance.wants_to_look(0.2, most=4, alone=True)
-    acceptance.since_look = LOOK_AGAIN_STEPS
-    assert acceptance.wants_to_look(0.5, most=4, alone=False)  # looks again: one token pays its row
-    assert not acceptance.wants_to_look(0.7, most=4, alone=True)  # no draft would pay its row at all
-    acceptance.looked(found=True)
-    assert acceptance.since_look == 0 and acceptance.wants_to_look(0.2, most=4, alone=False)
+    assert acceptance.wants_to_look(0.2, most=4, alone=False, length=1)
+    assert not acceptance.wants_to_look(0.5, most=4, alone=False, length=1)
+    acceptance.looked(found=False, length=20)  # no n-gram match last time, at 20 tokens
+    assert not acceptance.wants_to_look(0.2, most=4, alone=False, length=21)
+    assert not acceptance.wants_to_look(0.2, most=4, alone=True, length=20 + LOOK_AGAIN_STEPS)
+    assert acceptance.wants_to_look(0.5, most=4, alone=False, length=21 + LOOK_AGAIN_STEPS)  # looks again: one token pays
+    assert not acceptance.wants_to_look(0.7, most=4, alone=True, length=21 + LOOK_AGAIN_STEPS)  # no draft pays its row
+    acceptance.looked(found=True, length=40)
+    assert acceptance.looked_at == 40 and acceptance.wants_to_look(0.2, most=4, alone=False, length=41)
 
 
 def test_failing_drafts_stop_and_greedy_tokens_stay_identical(make_engine, monkeypatch):
