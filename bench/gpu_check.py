@@ -59,6 +59,9 @@ class Config:
     new_tokens: int
     api_servers: list[int]
     spectrum_tokens: int
+    # The serve parts drive each client count above 1 again from this many processes: one
+    # process's clients may be what sets the pace at tens of streams and more (bench/serve_clients.py).
+    client_processes: int = 1
 
 
 @dataclass
@@ -76,8 +79,8 @@ STREAM_INTERVAL = 4  # the stream-interval part's: tokens per write
 PARTS = [
     Part("lane", 180, "the CUDA lane: tests/model, tests/engine, tests/analysis on the device"),
     Part("anchor", 35, "one greedy decode step as one CUDA graph, replayed (bench/cuda_anchor.py); again with paged attention"),
-    Part("serve", 60, "streaming clients over HTTP against one server (bench/bench_serve.py)"),
-    Part("serve-paged", 60, "the serve part with --decode-attention paged (model/paged_attention.py)"),
+    Part("serve", 90, "streaming clients over HTTP against one server (bench/bench_serve.py)"),
+    Part("serve-paged", 90, "the serve part with --decode-attention paged (model/paged_attention.py)"),
     Part("xl-streams", 120, "512 concurrent 128/128 streams of a random GPT-2 XL in the GPU's KV budget (bench/kv_blocks.py)"),
     Part("overlap", 60, "the engine core alone, overlap off against on, and its synchronising calls per step (bench/bench_overlap.py)"),
     Part("api-servers", 85, "--api-servers 1 against 4 at the largest client count"),
@@ -144,10 +147,12 @@ def part_anchor(cfg: Config) -> dict:
 def served_row(clients: int, stats) -> dict:
     from bench.serve_clients import percentile
 
-    return {"clients": clients, "tokens_per_s": stats.tokens / stats.seconds,
+    return {"clients": clients, "tokens": stats.tokens, "tokens_per_s": stats.tokens / stats.seconds,
             "ttft_ms": [percentile(stats.ttft, q) * 1e3 for q in (.5, .99)],
             "itl_ms": [percentile(stats.itl, q) * 1e3 for q in (.5, .99)],
-            "http_cpu_ms_per_token": stats.cpu_ms_per_token("http"), "core_cpu_ms_per_token": stats.cpu_ms_per_token("core")}
+            "http_cpu_ms_per_token": stats.cpu_ms_per_token("http"), "core_cpu_ms_per_token": stats.cpu_ms_per_token("core"),
+            # The clients run in this one process: near 1.0 they, not the server, set the pace.
+            "clients_cpu_cores": stats.cpu["clients"] / stats.seconds}
 
 
 def started_server(cfg: Config, api_servers: int = 1, stream_interval: int = 1):
@@ -176,7 +181,11 @@ def part_serve(cfg: Config, stream_interval: int = 1, clients: list[int] | None 
 
     server, startup, texts = started_server(cfg, stream_interval=stream_interval)
     try:
-        rows = [served_row(c, serve_clients(server, texts, c, 1, cfg.new_tokens)) for c in clients or cfg.clients]
+        counts = clients or cfg.clients
+        rows = [served_row(c, serve_clients(server, texts, c, 1, cfg.new_tokens)) for c in counts]
+        if cfg.client_processes > 1:
+            rows += [served_row(c, serve_clients(server, texts, c, 1, cfg.new_tokens, processes=cfg.client_processes))
+                     | {"client_processes": cfg.client_processes} for c in counts if c > 1]
     finally:
         server.stop()
     return {"startup_s": startup, "rows": rows, "stream_interval": stream_interval}
@@ -381,6 +390,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--parts", nargs="+", choices=[p.name for p in PARTS], default=[p.name for p in PARTS])
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 16, 64, 256])
     parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--client-processes", type=int, default=4,
+                        help="the serve parts' client counts above 1 again, their clients spread over this many processes")
     parser.add_argument("--budget-s", type=float, default=None,
                         help="the whole check's time, each part getting at most what is left (default 480; --smoke: 1800)")
     parser.add_argument("--smoke", action="store_true", help="CPU, a tiny model, tiny sizes: seconds")
@@ -401,10 +412,10 @@ def main(argv: list[str] | None = None) -> int:
 
     args.out.mkdir(parents=True, exist_ok=True)
     if args.smoke:
-        cfg = Config(smoke_model(args.out.resolve()), "cpu", "float32", args.out.resolve(), True, [1, 2], 4, [1, 2], 32)
+        cfg = Config(smoke_model(args.out.resolve()), "cpu", "float32", args.out.resolve(), True, [1, 2], 4, [1, 2], 32, 2)
     else:
         cfg = Config(args.model_dir.resolve(), "cuda", args.dtype, args.out.resolve(), False, args.clients,
-                     args.new_tokens, [1, 4], 1024)
+                     args.new_tokens, [1, 4], 1024, args.client_processes)
     budget = args.budget_s or (1800 if args.smoke else 480)
     began, rows = time.perf_counter(), []
     report = {"machine": describe(cfg), "config": asdict(cfg), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}

@@ -38,11 +38,15 @@ def anchor(result: dict) -> str:
 
 
 def serve(result: dict, anchors: dict[int, float]) -> str:
-    rows = [[str(r["clients"]), f"{r['tokens_per_s']:,.0f}", f"{anchors.get(r['clients'], 0):,.0f}",
+    def clients(r: dict) -> str:
+        return f"{r['clients']} ({r['client_processes']} processes)" if "client_processes" in r else str(r["clients"])
+
+    rows = [[clients(r), f"{r['tokens_per_s']:,.0f}", f"{anchors.get(r['clients'], 0):,.0f}",
              ratio(r["tokens_per_s"], anchors.get(r["clients"])), pair(r["ttft_ms"], ".0f"), pair(r["itl_ms"]),
-             f"{r['http_cpu_ms_per_token']:.3f}", f"{r['core_cpu_ms_per_token']:.3f}"] for r in result["rows"]]
+             f"{r['http_cpu_ms_per_token']:.3f}", f"{r['core_cpu_ms_per_token']:.3f}",
+             f"{r['clients_cpu_cores']:.2f}" if "clients_cpu_cores" in r else "-"] for r in result["rows"]]
     header = ["clients", "served tok/s", "anchor tok/s", "served / anchor", "TTFT p50 / p99 ms", "ITL p50 / p99 ms",
-              "HTTP CPU ms/token", "core CPU ms/token"]
+              "HTTP CPU ms/token", "core CPU ms/token", "clients' CPU, cores"]
     interval = result.get("stream_interval", 1)
     writes = f" `--stream-interval {interval}`: a client's ITL is between events, {interval} per write." if interval != 1 else ""
     return f"Server ready {result['startup_s']:.1f} s after launch.{writes}\n\n" + table(header, rows)

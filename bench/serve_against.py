@@ -40,7 +40,8 @@ def compare_checkouts(args: argparse.Namespace, texts: list[str]) -> None:
             for clients in args.clients:
                 for name in order:
                     stats = serve_clients(servers[name], texts, clients, args.requests_per_client, args.new_tokens,
-                                          {"do_sample": True, "top_p": args.top_p} if sampled else None)
+                                          {"do_sample": True, "top_p": args.top_p} if sampled else None,
+                                          processes=args.client_processes)
                     rates.setdefault((name, clients), []).append(stats.tokens / stats.seconds)
                 old, new = rates["old", clients][-1], rates["new", clients][-1]
                 print(f"round {round_} ({order[0]} first) {clients:4d} clients: old {old:8.1f} tok/s, new {new:8.1f} tok/s,"

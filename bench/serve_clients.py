@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -149,8 +150,9 @@ async def one_stream(url: str, text: str, stats: ClientStats) -> None:
 
 
 def serve_clients(server: Server, texts: list[str], clients: int, per_client: int, new_tokens: int,
-                  parameters: dict | None = None) -> ClientStats:
-    """drive_clients, with the CPU time of the HTTP process, the engine core and these clients."""
+                  parameters: dict | None = None, processes: int = 1) -> ClientStats:
+    """drive_clients, with the CPU time of the HTTP process, the engine core and these clients;
+    `processes` > 1 spreads the clients over that many processes (drive_in_processes)."""
     # With --api-servers N the first process only supervises: the HTTP processes are its children.
     http = [server.process.pid, *api_server_pids(server.process.pid)]
     pids = {"http": http, "core": [engine_core_pid(server.process.pid)]}
@@ -159,16 +161,22 @@ def serve_clients(server: Server, texts: list[str], clients: int, per_client: in
         return {name: sum(cpu_seconds(p) for p in group) for name, group in pids.items()} | {"clients": time.process_time()}
 
     before = cpu_now()
-    stats = asyncio.run(drive_clients(server.url, texts, clients, per_client, new_tokens, parameters))
+    if processes > 1:
+        stats = drive_in_processes(server.url, texts, clients, per_client, new_tokens, parameters, processes)
+    else:
+        stats = asyncio.run(drive_clients(server.url, texts, clients, per_client, new_tokens, parameters))
     after = cpu_now()
-    stats.cpu = {name: after[name] - before[name] for name in before}
+    stats.cpu = {name: after[name] - before[name] for name in before} | stats.cpu
     return stats
 
 
 async def drive_clients(url: str, texts: list[str], clients: int, per_client: int, new_tokens: int,
-                        parameters: dict | None = None) -> ClientStats:
+                        parameters: dict | None = None, indices: list[int] | None = None) -> ClientStats:
+    """`clients` streaming clients, each sending `per_client` requests in turn; `indices`: only
+    these clients of the `clients` (one process's share of them)."""
+    indices = list(range(clients)) if indices is None else indices
     stats = ClientStats()
-    limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=clients + 4)
+    limits = httpx.Limits(max_connections=len(indices) + 4, max_keepalive_connections=len(indices) + 4)
     async with httpx.AsyncClient(limits=limits, timeout=600) as http:
 
         async def client(index: int) -> None:
@@ -176,6 +184,59 @@ async def drive_clients(url: str, texts: list[str], clients: int, per_client: in
                 await stream_one(http, url, texts[(index + round_ * clients) % len(texts)], new_tokens, stats, parameters)
 
         start = time.perf_counter()
-        await asyncio.gather(*(client(i) for i in range(clients)))
+        await asyncio.gather(*(client(i) for i in indices))
         stats.seconds = time.perf_counter() - start
         return stats
+
+
+# One Python process's event loop reads ~10k streamed events a second (httpx, JSON): below what a
+# GPU server sends to hundreds of streams, so there the clients, not the server, would set the pace.
+def drive_in_processes(url: str, texts: list[str], clients: int, per_client: int, new_tokens: int,
+                       parameters: dict | None, processes: int) -> ClientStats:
+    """drive_clients with the clients dealt over `processes` spawned processes, released together
+    once all have started; tokens and latencies pooled, the time from the first one's first request
+    to the last one's end, and the processes' own CPU time as the clients'."""
+    processes = max(1, min(processes, clients))
+    context = multiprocessing.get_context("spawn")  # nothing inherited: no CUDA context, no threads
+    release, results = context.Barrier(processes + 1), context.Queue()
+    workers = [context.Process(target=client_process, daemon=True,
+                               args=(url, texts, clients, per_client, new_tokens, parameters,
+                                     list(range(clients))[i::processes], release, results))
+               for i in range(processes)]
+    for worker in workers:
+        worker.start()
+    try:
+        release.wait(timeout=120)
+        shares = [results.get(timeout=1800) for _ in workers]
+    finally:
+        for worker in workers:
+            worker.join(timeout=30)
+            if worker.is_alive():
+                worker.kill()
+    failed = [share["error"] for share in shares if "error" in share]
+    if failed:
+        raise RuntimeError(f"a client process failed: {failed[0]}")
+    # perf_counter is the system's monotonic clock: one time line for every process.
+    seconds = max(share["ended"] for share in shares) - min(share["ended"] - share["seconds"] for share in shares)
+    stats = ClientStats(tokens=sum(share["tokens"] for share in shares), seconds=seconds)
+    for share in shares:
+        stats.ttft += share["ttft"]
+        stats.itl += share["itl"]
+    stats.cpu = {"clients": sum(share["cpu"] for share in shares)}
+    return stats
+
+
+def client_process(url: str, texts: list[str], clients: int, per_client: int, new_tokens: int, parameters: dict | None,
+                   indices: list[int], release, results) -> None:
+    """One process's share of drive_in_processes' clients: one warm-up request (a fresh process's
+    first one pays its imports and connection), the release, then its clients' streams."""
+    asyncio.run(drive_clients(url, texts, 1, 1, 1, parameters))
+    release.wait(timeout=120)
+    began = time.process_time()
+    try:
+        stats = asyncio.run(drive_clients(url, texts, clients, per_client, new_tokens, parameters, indices))
+        ended = time.perf_counter()
+        results.put({"tokens": stats.tokens, "ttft": stats.ttft, "itl": stats.itl, "seconds": stats.seconds, "ended": ended,
+                     "cpu": time.process_time() - began})
+    except Exception as exc:  # reported, not lost: the parent waits for every share
+        results.put({"error": f"{type(exc).__name__}: {exc}"})

@@ -40,11 +40,16 @@ def test_every_part_runs_and_reports(smoke_report):
     # Every served row has its anchor at the same batch size, so its ratio is filled in.
     anchors = {row["batch"] for row in parts["anchor"]["result"]["rows"]}
     served = parts["serve"]["result"]["rows"]
-    assert [row["clients"] for row in served] == report["config"]["clients"] and anchors >= {r["clients"] for r in served}
-    assert all(row["tokens_per_s"] > 0 for row in served)
+    counts, processes = report["config"]["clients"], report["config"]["client_processes"]
+    # The client counts from one process, then those above 1 again spread over processes.
+    assert [(row["clients"], row.get("client_processes", 1)) for row in served] == \
+        [(c, 1) for c in counts] + [(c, processes) for c in counts if c > 1]
+    assert processes > 1 and anchors >= {r["clients"] for r in served}
+    assert all(row["tokens_per_s"] > 0 and row["tokens"] == row["clients"] * report["config"]["new_tokens"] for row in served)
     interval = parts["stream-interval"]["result"]
     assert interval["stream_interval"] == gpu_check.STREAM_INTERVAL and parts["serve"]["result"]["stream_interval"] == 1
-    assert [row["clients"] for row in interval["rows"]] == report["config"]["clients"][-2:]
+    assert [(row["clients"], row.get("client_processes", 1)) for row in interval["rows"]] == \
+        [(c, 1) for c in counts[-2:]] + [(c, processes) for c in counts[-2:] if c > 1]
     assert f"--stream-interval {gpu_check.STREAM_INTERVAL}" in markdown
     assert [row["api_servers"] for row in parts["api-servers"]["result"]["rows"]] == report["config"]["api_servers"]
     for row in parts["api-servers"]["result"]["rows"]:

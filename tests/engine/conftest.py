@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import math
 import os
 import time
 from pathlib import Path
@@ -13,7 +15,7 @@ import torch
 import service.engine.layout as layout_module
 from service.inprocess import Engine, EngineConfig
 from service.engine.types import GenerationRequest, SamplingParams
-from tests.conftest import TINY
+from tests.conftest import TEST_DEVICE, TINY
 from tests.model.hf_reference import load_reference
 from weights.checkpoint import load_model
 from weights.tokenizer import GPT2Tokenizer
@@ -94,3 +96,41 @@ def run_until_idle(engine: Engine, limit: int = 500) -> list:
             return finished
         finished.extend(engine.step().finished)
     raise AssertionError(f"engine still busy after {limit} steps")
+
+
+# Outputs of one request run in different batches (alone, beside neighbours, overlapped, laid out
+# row by row) are equal bit for bit on the CPU. On CUDA a row's logits change in their last bits
+# with the batch around it (cuBLAS and the attention kernels pick their algorithm by shape; the
+# contract in docs/batch-invariance.md): there tokens, texts and finish reasons must still be
+# equal, and floats (log-probs, scores) within this tolerance.
+CUDA_FLOAT_TOLERANCE = 1e-4
+
+
+def assert_same_outputs(actual, expected, what: str = "") -> None:
+    """`actual == expected` on the CPU; on CUDA the same, but floats within CUDA_FLOAT_TOLERANCE."""
+    if TEST_DEVICE != "cuda":
+        assert actual == expected, what
+        return
+    difference = first_difference(actual, expected, CUDA_FLOAT_TOLERANCE)
+    assert difference is None, f"{what} {difference}".strip()
+
+
+def first_difference(actual, expected, tolerance: float, where: str = "") -> str | None:
+    """Where two nested outputs (dicts, lists, tuples, dataclasses, scalars) first differ, floats
+    compared within `tolerance` (relative and absolute); None where they agree."""
+    if isinstance(actual, float) and isinstance(expected, float):
+        close = math.isclose(actual, expected, rel_tol=tolerance, abs_tol=tolerance)
+        return None if close or (math.isnan(actual) and math.isnan(expected)) else f"at {where}: {actual!r} != {expected!r}"
+    if dataclasses.is_dataclass(actual) and type(actual) is type(expected):
+        actual, expected = ({f.name: getattr(x, f.name) for f in dataclasses.fields(x)} for x in (actual, expected))
+    if isinstance(actual, dict) and isinstance(expected, dict):
+        if actual.keys() != expected.keys():
+            return f"at {where}: keys {sorted(map(str, actual))} != {sorted(map(str, expected))}"
+        pairs = [(f"{where}[{key!r}]", actual[key], expected[key]) for key in actual]
+    elif isinstance(actual, (list, tuple)) and type(actual) is type(expected):
+        if len(actual) != len(expected):
+            return f"at {where}: length {len(actual)} != {len(expected)}: {actual!r} != {expected!r}"
+        pairs = [(f"{where}[{i}]", a, e) for i, (a, e) in enumerate(zip(actual, expected))]
+    else:
+        return None if actual == expected else f"at {where}: {actual!r} != {expected!r}"
+    return next((d for path, a, e in pairs if (d := first_difference(a, e, tolerance, path)) is not None), None)

@@ -184,6 +184,10 @@ def serve_traced(argv: list[str]) -> None:
     if not hasattr(core_process, "run_core"):
         raise RuntimeError("service/http/core_process.py no longer spawns the core with run_core: trace its new target")
     core_process.run_core = traced_run_core  # the spawned process imports this module to run it
+    # asyncio's own event loop, not uvloop where it is installed (uvicorn's "auto" takes it): a
+    # uvloop transport's write is compiled code that sys.setprofile does not see, so no window
+    # would close at its write. The project's functions on the path are the same either way.
+    sys.modules["uvloop"] = None  # type: ignore[assignment]  # makes `import uvloop` raise ImportError
     recorder = HttpRecorder()
     arm_on_signal(recorder, "http")
     # uvicorn re-raises the SIGTERM it stopped on once it has shut down: exit through `finally`.

@@ -11,7 +11,7 @@ import pytest
 
 import service.engine.layout as layout_module
 from service.engine.core import EngineConfig, EngineCore
-from tests.engine.conftest import make_request, random_prompt
+from tests.engine.conftest import assert_same_outputs, make_request, random_prompt
 
 
 def run(model, eos: int, requests: list[dict], overlap: bool, cancel_at: dict[str, int] | None = None,
@@ -73,12 +73,12 @@ def test_eos_and_length_end_rows_as_one_by_one(tiny_model, eos):
         assert batched > 10  # the array layout ran
         one_by_one, none = run(tiny_model, eos, plain, overlap, batched=False)
         assert none == 0
-        assert one_by_one == batch
+        assert_same_outputs(one_by_one, batch)
         # A neighbour asking for alternatives changes nothing of the others'.
         beside, _ = run(tiny_model, eos, plain + [dict(max_new_tokens=30, top_logprobs=2)], overlap)
-        assert {k: v for k, v in beside.items() if k != "r5"} == batch
+        assert_same_outputs({k: v for k, v in beside.items() if k != "r5"}, batch)
         outcomes[overlap] = batch
-    assert outcomes[True] == outcomes[False]
+    assert_same_outputs(outcomes[True], outcomes[False])
     first = outcomes[False]["r0"]
     assert [reason for *_, reason, _ in first] == [None] * where + ["eos_token"]  # ended at its EOS, not after
     ignoring = outcomes[False]["r1"]
@@ -93,7 +93,7 @@ def test_stop_ids_and_alternatives_are_read_as_a_batch(tiny_model, eos):
         batch, batched = run(tiny_model, -1, mixed, overlap)
         assert batched > 10  # neither stop ids nor alternatives take a step off the array layout
         one_by_one, _ = run(tiny_model, -1, mixed, overlap, batched=False)
-        assert batch == one_by_one
+        assert_same_outputs(batch, one_by_one)
         assert [reason for *_, reason, _ in batch["r1"]] == [None] * where + ["eos_token"]
         assert len(batch["r0"]) == 12
         assert [entry[:2] for entry in batch["r0"][: where + 1]] == [entry[:2] for entry in batch["r1"]]
@@ -111,7 +111,7 @@ def test_a_row_ended_after_its_step_was_launched_gets_nothing(tiny_model, eos):
     overlapped, batched = run(tiny_model, eos, plain, overlap=True, cancel_at={"r2": 6})
     assert batched > 5
     assert len(synchronous["r0"]) == where + 1
-    assert overlapped["r0"] == synchronous["r0"] and overlapped["r1"] == synchronous["r1"]
+    assert_same_outputs([overlapped["r0"], overlapped["r1"]], [synchronous["r0"], synchronous["r1"]])
     cancelled = overlapped["r2"]
     assert 0 < len(cancelled) < len(synchronous["r2"])
-    assert cancelled == synchronous["r2"][: len(cancelled)]
+    assert_same_outputs(cancelled, synchronous["r2"][: len(cancelled)])

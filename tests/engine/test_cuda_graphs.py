@@ -1,6 +1,6 @@
 """CUDA graphs (the CUDA lane only: GPT2_TEST_DEVICE=cuda, `make test-cuda`): decode steps
 replayed from captured graphs give the tokens eager decoding gives, greedy and seeded sampling,
-as requests join and leave."""
+as requests join and leave, up to a choice on a cut-off (padded shapes change the last bits)."""
 
 from __future__ import annotations
 
@@ -18,11 +18,12 @@ def cuda_only(device):
         pytest.skip("CUDA graphs need the CUDA lane (GPT2_TEST_DEVICE=cuda)")
 
 
-def staggered(engine) -> dict[str, list[int]]:
-    """Requests of different lengths arriving while others decode; token ids by request."""
+def staggered(engine) -> dict[str, object]:
+    """Requests of different lengths arriving while others decode; each one's sequence by request id
+    (token ids, their log-probs, and the two most likely tokens at each step)."""
     requests = [
         make_request(random_prompt(3 + 5 * i, seed=i), request_id=f"r{i}", max_new_tokens=12 + 3 * i,
-                     do_sample=i % 2 == 1, temperature=0.8, top_p=0.9, seed=100 + i)
+                     do_sample=i % 2 == 1, temperature=0.8, top_p=0.9, seed=100 + i, top_logprobs=2)
         for i in range(6)
     ]
     results = {}
@@ -30,7 +31,30 @@ def staggered(engine) -> dict[str, list[int]]:
         engine.submit([request])
         results.update((f.request_id, f) for f in engine.step().finished)
     results.update((f.request_id, f) for f in run_until_idle(engine))
-    return {rid: result.sequences[0].token_ids for rid, result in results.items()}
+    return {rid: result.sequences[0] for rid, result in results.items()}
+
+
+# A replayed graph runs padded batch shapes, so its logits differ from the eager step's in the last
+# bits (float16: a few units of 0.008 at logits ~13). Tokens must agree until the first step
+# whose choice sits on a cut-off: greedy, the eager step's two best within TIE of each other;
+# sampled, a draw at the edge between two tokens. Up to there the log-probs agree within
+# LOGPROB_TOLERANCE: a graph reading a wrong block, position or row would be off by far more.
+TIE = {torch.float32: 1e-3, torch.float16: 0.05}
+LOGPROB_TOLERANCE = {torch.float32: 1e-3, torch.float16: 0.05}
+
+
+def compared_tokens(replayed, eager, dtype: torch.dtype, greedy: bool) -> int:
+    """How many tokens of one request agree before the first choice on a cut-off; fails on a
+    difference anywhere else, or on log-probs apart by more than the tolerance."""
+    for i, (token, expected) in enumerate(zip(replayed.token_ids, eager.token_ids)):
+        assert abs(replayed.logprobs[i] - eager.logprobs[i]) <= LOGPROB_TOLERANCE[dtype] or token != expected, \
+            (i, replayed.logprobs[i], eager.logprobs[i])
+        if token != expected:
+            best, second = (logprob for _, logprob in eager.top_logprobs[i][:2])
+            assert not greedy or best - second <= TIE[dtype], (i, token, expected, best, second)
+            return i
+    assert len(replayed.token_ids) == len(eager.token_ids)
+    return len(eager.token_ids)
 
 
 @pytest.fixture(params=["gpt2", "checkpoint-options"])
@@ -47,4 +71,8 @@ def test_graph_replays_give_eager_tokens(cuda_only, make_engine, served_model):
     graphs = make_engine(model=served_model, max_slots=8, static_decode=True)
     assert graphs.core.runner.static_decode.graphs, "no graph was captured (see the warning logged)"
     eager = make_engine(model=served_model, max_slots=8)
-    assert staggered(graphs) == staggered(eager)
+    replayed, expected = staggered(graphs), staggered(eager)
+    assert replayed.keys() == expected.keys()
+    agreed = sum(compared_tokens(replayed[rid], expected[rid], served_model.dtype, greedy=int(rid[1:]) % 2 == 0)
+                 for rid in expected)
+    assert agreed >= 0.8 * sum(len(s.token_ids) for s in expected.values())  # ties are rare: most tokens compared

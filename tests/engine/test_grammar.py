@@ -14,7 +14,7 @@ import pytest
 
 from service.engine.grammar import Grammars, bitmask_words
 from service.http.grammar import JSON_DEFAULTS, MAX_OPTIONAL_PROPERTIES
-from tests.engine.conftest import make_request, random_prompt
+from tests.engine.conftest import assert_same_outputs, make_request, random_prompt
 
 import llguidance
 
@@ -80,7 +80,7 @@ def test_speculation_drafts_within_the_grammar_and_keeps_the_tokens(make_engine,
         done.update((f.request_id, f.sequences[0]) for f in output.finished)
     speculated = [done[r.request_id] for r in batch]
     assert [s.token_ids for s in speculated] == [s.token_ids for s in plain]
-    assert [s.logprobs for s in speculated] == [s.logprobs for s in plain]
+    assert_same_outputs([s.logprobs for s in speculated], [s.logprobs for s in plain])
     assert all(re.fullmatch(regex, s.text) for s in speculated if s.finish_reason == "eos_token"), [s.text for s in speculated]
     assert drafted > 0 and accepted > 0, (drafted, accepted)
 
@@ -95,8 +95,8 @@ def test_free_rows_beside_constrained_ones_keep_their_tokens(make_engine):
     together = {f.request_id: f.sequences[0] for f in mixed}
     for request_id, solo in alone.items():
         assert together[request_id].token_ids == solo.token_ids
-        assert together[request_id].logprobs == solo.logprobs
-        assert together[request_id].top_logprobs == solo.top_logprobs
+        assert_same_outputs(together[request_id].logprobs, solo.logprobs)
+        assert_same_outputs(together[request_id].top_logprobs, solo.top_logprobs)
 
 
 def test_seeded_constrained_requests_repeat_and_logprobs_are_the_constrained_ones(make_engine):

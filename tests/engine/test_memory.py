@@ -14,7 +14,7 @@ import threading
 import pytest
 
 from service.engine import memory
-from tests.conftest import REPO
+from tests.conftest import REPO, TEST_DEVICE
 
 glibc = pytest.mark.skipif(memory.LIBC is None or memory.heap_stats() == {}, reason="needs glibc's malloc_trim and mallinfo2")
 
@@ -62,6 +62,9 @@ def run_python(code: str, *args: str) -> object:
     return json.loads(out.stdout.splitlines()[-1])
 
 
+# The CPU build's oneDNN (torch's CPU wheel, what CPU serving runs): the CUDA lane's torch is a CUDA
+# build whose CPU products grew the heap by 8 MB over these 200 shapes (torch 2.11.0+cu130 on a Xeon).
+@pytest.mark.skipif(TEST_DEVICE == "cuda", reason="the CPU wheel's oneDNN caches: the CPU lane's subject")
 @glibc
 def test_capped_primitive_caches_stop_growing_with_new_shapes():
     default = run_python(SHAPES, "default")

@@ -18,7 +18,7 @@ from service.engine.ngram_drafter import NgramSettings
 from service.engine.scheduler import Scheduler
 from service.engine.step_sampler import StepSampler
 from tests.conftest import TINY
-from tests.engine.conftest import make_request, random_prompt
+from tests.engine.conftest import assert_same_outputs, make_request, random_prompt
 
 JSON_GRAMMAR = '%llguidance {}\nstart: "{\\"a\\": " /[0-9]{1,3}/ "}"'
 
@@ -127,7 +127,7 @@ def test_overlap_changes_no_output(make_engine, config):
     synchronous, ahead_off = run(make_engine, MIXED, overlap=False, **config)
     overlapped, ahead_on = run(make_engine, MIXED, overlap=True, **config)
     assert ahead_off == 0 and ahead_on > 10  # it did run ahead
-    assert overlapped == synchronous
+    assert_same_outputs(overlapped, synchronous)
 
 
 def test_a_sequence_packed_while_its_last_token_is_in_flight_keeps_its_keys(make_engine):
@@ -153,7 +153,7 @@ def test_requests_that_need_the_hosts_tokens_keep_overlap_on_and_change_nothing(
         synchronous, _ = run(make_engine, entries, overlap=False, **config)
         paced = []
         overlapped, ahead = run(make_engine, entries, overlap=True, paced=paced, **config)
-        assert overlapped == synchronous
+        assert_same_outputs(overlapped, synchronous)
         assert sum(paced) > 5  # steps in flight while they ran
 
 
@@ -179,7 +179,7 @@ def test_a_grammar_steps_every_step_its_draw_waiting_for_the_read(make_engine, m
     synchronous, _ = run(make_engine, entries, overlap=False, max_slots=8)
     assert not waited
     overlapped, _ = run(make_engine, entries, overlap=True, max_slots=8)
-    assert overlapped == synchronous
+    assert_same_outputs(overlapped, synchronous)
     assert len(waited) > 3 and not sat_out
 
 
@@ -191,7 +191,7 @@ def test_cancelled_requests_end_where_they_were_and_others_are_untouched(make_en
     overlapped, _ = run(make_engine, MIXED, overlap=True, cancel=cancel, max_slots=8, prefix_caching=False)
     for request_id, result in overlapped.items():
         if request_id not in cancel:
-            assert result == synchronous[request_id]
+            assert_same_outputs(result, synchronous[request_id])
             continue
         for (tokens, *_, reason, _score, _top), (full, *_) in zip(result[:-2], synchronous[request_id][:-2]):
             assert reason in ("cancelled", "eos_token", "length")
@@ -233,7 +233,8 @@ def test_grammars_and_drafters_ride_the_batched_step(make_engine, monkeypatch):
                 assert sum(1 for paced in engine_steps if paced) > 5  # laid out as a batch with them
             else:
                 assert not engine_steps
-    assert outcomes[True, False] == outcomes[False, False] == outcomes[True, True] == outcomes[False, True]
+    for layout_and_overlap in [(False, False), (True, True), (False, True)]:
+        assert_same_outputs(outcomes[layout_and_overlap], outcomes[True, False], str(layout_and_overlap))
 
 
 def test_drafted_steps_run_ahead_and_change_nothing(make_engine):
@@ -246,7 +247,7 @@ def test_drafted_steps_run_ahead_and_change_nothing(make_engine):
     synchronous, _ = run(make_engine, entries, overlap=False, max_slots=12, speculative=eager)
     engine_runs = []
     overlapped, _ = run(make_engine, entries, overlap=True, max_slots=12, speculative=eager, drafted=engine_runs)
-    assert overlapped == synchronous
+    assert_same_outputs(overlapped, synchronous)
     assert sum(1 for drafted, deferred in engine_runs if drafted and deferred) > 5
 
 
@@ -270,5 +271,6 @@ def test_a_drafter_whose_drafts_do_not_pay_steps_every_step(make_engine, monkeyp
     synchronous, _ = run(make_engine, entries, overlap=False, max_slots=12, speculative=stingy)
     paced = []
     overlapped, _ = run(make_engine, entries, overlap=True, max_slots=12, speculative=stingy, paced=paced)
-    assert overlapped == synchronous == plain
+    assert_same_outputs(overlapped, synchronous)
+    assert_same_outputs(synchronous, plain)
     assert sum(paced) > 5 and not sat_out  # drafters ran, in flight, and none sat a step out

@@ -106,7 +106,7 @@ class EagerGraph:
 
     def __init__(self, decode: StaticDecode, size: int, bucket: int) -> None:
         self.decode, self.size, self.bucket, self.first_blocks = decode, size, bucket, []
-        self.logits = torch.zeros(size, TINY.vocab_size)
+        self.logits = torch.zeros(size, TINY.vocab_size, device=decode.model.device)  # where a graph's output lives
 
     def replay(self) -> None:
         self.first_blocks.append(self.decode.cache.tables[: self.size, 0].tolist())
