@@ -10,21 +10,26 @@ the rest; a crash or a timeout is reported in its row, never fatal to the check)
 - anchor: bench/cuda_anchor.py, one greedy decode step as one CUDA graph, tok/s per batch size;
   then the same steps with the paged attention kernel (model/paged_attention.py), side by side;
 - serve: the real server over HTTP (bench/bench_serve.py's clients) at each client count, each
-  figure also as a ratio to the anchor at the same batch size;
-- serve-paged: the same with `--decode-attention paged` (these two parts and the anchor's pair
-  are what the CUDA default is to be chosen by);
-- xl-streams: bench/kv_blocks.py, a random GPT-2 XL (1.5B) at --dtype with the service's KV budget on
-  a GPU (0.8 of the memory free after the weights) and --max-batch-size 512: 512 streams of 128
-  in / 128 out submitted at once, the largest decode batch and preemptions counted by the engine;
+  figure also as a ratio to the anchor at the same batch size; each count above 1 again with the
+  clients spread over --client-processes processes;
+- grammar-mix: 64 streaming clients all free against one in 16 constrained by a JSON schema
+  (a string of at least 600 characters: every constrained request runs its 128 tokens under the
+  mask), alternating rounds on one server: the mixed load's tok/s over the free one's;
 - overlap: bench/bench_overlap.py, the engine core alone with overlap off and on, and the
   synchronising CUDA calls left in an overlapped step (with their source lines);
-- api-servers: `--api-servers 1` against `4` at the largest client count: start-up time, tok/s,
-  the HTTP processes' idle CPU, whether any HTTP process mapped the CUDA driver, GPU processes;
+- speculative: bench_speculative, n-gram speculation on against off;
+- prefix: bench_prefix, prefix caching on against off;
 - spectrum: /analyze/spectrum at 1,024 tokens over HTTP against the document's recipe;
-- quantize: each --quantize mode on this device: served (one request answered) or refused (its line).
-- prefix, speculative: bench_prefix and bench_speculative, each feature on against off;
 - stream-interval: the serve part's measure with `--stream-interval 4` at the two largest client
   counts (fewer writes per token: what it gives the served tok/s and HTTP CPU on this host);
+- serve-paged: the serve part with `--decode-attention paged` (with the serve part and the
+  anchor's pair: what the CUDA default is chosen by);
+- api-servers: `--api-servers 1` against `4` at the largest client count: start-up time, tok/s,
+  the HTTP processes' idle CPU, whether any HTTP process mapped the CUDA driver, GPU processes;
+- quantize: each --quantize mode on this device: served (one request answered) or refused (its line);
+- xl-streams: bench/kv_blocks.py, a random GPT-2 XL (1.5B) at --dtype with the service's KV budget on
+  a GPU (0.8 of the memory free after the weights) and --max-batch-size 512: 512 streams of 128
+  in / 128 out submitted at once, the largest decode batch and preemptions counted by the engine.
 Writes REPORT.md and report.json to --out; prints the markdown. --smoke runs every part on the
 CPU on a tiny random model with tiny sizes, so this script cannot rot between runs on a GPU.
 """
@@ -74,21 +79,23 @@ class Part:
 STREAM_INTERVAL = 4  # the stream-interval part's: tokens per write
 
 # Each part's own cap; the check as a whole stops at --budget-s (8 minutes): a part gets what is
-# left when its turn comes. Measured on one H200 (docs/performance.md): lane 100 s, anchor 11,
-# serve 30, api-servers 54, quantize 23; the three bench scripts start two servers each (~21 s apiece).
+# left when its turn comes, so the parts measured least recently come first. Measured on one H200
+# (docs/performance.md): lane 122 s, anchor 18, serve 56 (a server starts in ~27 s), api-servers 54,
+# quantize 23; the bench scripts start two servers each; speculative ran past 70 s.
 PARTS = [
     Part("lane", 180, "the CUDA lane: tests/model, tests/engine, tests/analysis on the device"),
     Part("anchor", 35, "one greedy decode step as one CUDA graph, replayed (bench/cuda_anchor.py); again with paged attention"),
     Part("serve", 90, "streaming clients over HTTP against one server (bench/bench_serve.py)"),
-    Part("serve-paged", 90, "the serve part with --decode-attention paged (model/paged_attention.py)"),
-    Part("xl-streams", 120, "512 concurrent 128/128 streams of a random GPT-2 XL in the GPU's KV budget (bench/kv_blocks.py)"),
+    Part("grammar-mix", 90, "64 clients all free against 1 in 16 constrained by a JSON schema, alternating (bench/serve_clients.py)"),
     Part("overlap", 60, "the engine core alone, overlap off against on, and its synchronising calls per step (bench/bench_overlap.py)"),
-    Part("api-servers", 85, "--api-servers 1 against 4 at the largest client count"),
-    Part("spectrum", 70, "/analyze/spectrum over HTTP against the document's recipe (bench/bench_spectrum.py)"),
-    Part("quantize", 30, "each --quantize mode on this device: served or refused"),
+    Part("speculative", 120, "n-gram speculation on against off (bench/bench_speculative.py; needs the corpus in weights/.cache)"),
     Part("prefix", 80, "prefix caching on against off (bench/bench_prefix.py, repeated-prompt)"),
-    Part("speculative", 70, "n-gram speculation on against off (bench/bench_speculative.py; needs the corpus in weights/.cache)"),
+    Part("spectrum", 70, "/analyze/spectrum over HTTP against the document's recipe (bench/bench_spectrum.py)"),
     Part("stream-interval", 60, f"the serve part with --stream-interval {STREAM_INTERVAL} at the two largest client counts"),
+    Part("serve-paged", 90, "the serve part with --decode-attention paged (model/paged_attention.py)"),
+    Part("api-servers", 85, "--api-servers 1 against 4 at the largest client count"),
+    Part("quantize", 30, "each --quantize mode on this device: served or refused"),
+    Part("xl-streams", 120, "512 concurrent 128/128 streams of a random GPT-2 XL in the GPU's KV budget (bench/kv_blocks.py)"),
 ]
 SMOKE_LIMIT_S = 120
 
@@ -193,6 +200,36 @@ def part_serve(cfg: Config, stream_interval: int = 1, clients: list[int] | None 
 
 def part_stream_interval(cfg: Config) -> dict:
     return part_serve(cfg, STREAM_INTERVAL, cfg.clients[-2:])
+
+
+# The grammar-mix part: one client in GRAMMAR_SHARE constrained, by a schema no request can
+# complete within its tokens (so each one decodes all of them under the mask, as a free one does).
+GRAMMAR_SHARE = 16
+LONG_STRING_SCHEMA = {"type": "object", "properties": {"text": {"type": "string", "minLength": 600}}, "required": ["text"]}
+GRAMMAR_CLIENTS = 64
+
+
+def part_grammar_mix(cfg: Config) -> dict:
+    """GRAMMAR_CLIENTS clients (the largest count, if fewer), all free against one in GRAMMAR_SHARE
+    constrained, two rounds each in alternating order, spread over the client processes."""
+    from bench.serve_clients import serve_clients
+
+    clients = min(GRAMMAR_CLIENTS, max(cfg.clients))
+    # ignore_eos off: a grammar decides where its text ends (the service refuses both); none can end early here.
+    mixed = [{"grammar": {"type": "json", "value": LONG_STRING_SCHEMA}, "ignore_eos": False}] + [{}] * (GRAMMAR_SHARE - 1)
+    server, startup, texts = started_server(cfg)
+    rows = []
+    try:
+        for round_ in range(2):
+            for load in ("free", "mixed") if round_ % 2 == 0 else ("mixed", "free"):
+                stats = serve_clients(server, texts, clients, 1, cfg.new_tokens, mixed if load == "mixed" else None,
+                                      processes=cfg.client_processes)
+                rows.append(served_row(clients, stats) | {"load": load, "round": round_})
+    finally:
+        server.stop()
+    rate = {load: sum(r["tokens_per_s"] for r in rows if r["load"] == load) / 2 for load in ("free", "mixed")}
+    return {"startup_s": startup, "clients": clients, "share": f"1/{GRAMMAR_SHARE}", "rows": rows,
+            "mixed_over_free": rate["mixed"] / rate["free"]}
 
 
 def part_serve_paged(cfg: Config) -> dict:
@@ -318,7 +355,7 @@ def part_quantize(cfg: Config) -> dict:
 
 RUNNERS = {"lane": part_lane, "anchor": part_anchor, "serve": part_serve, "xl-streams": part_xl_streams, "overlap": part_overlap, "api-servers": part_api_servers,
            "spectrum": part_spectrum, "prefix": part_prefix, "speculative": part_speculative, "quantize": part_quantize,
-           "stream-interval": part_stream_interval, "serve-paged": part_serve_paged}
+           "stream-interval": part_stream_interval, "serve-paged": part_serve_paged, "grammar-mix": part_grammar_mix}
 
 
 # --- the check: each part in its own process, bounded ------------------------------------------

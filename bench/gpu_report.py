@@ -70,6 +70,14 @@ def api_servers(result: dict, anchors: dict[int, float]) -> str:
     return text
 
 
+def grammar_mix(result: dict) -> str:
+    rows = [[r["load"], str(r["round"]), str(r["tokens"]), f"{r['tokens_per_s']:,.0f}", pair(r["ttft_ms"], ".0f"), pair(r["itl_ms"]),
+             f"{r['clients_cpu_cores']:.2f}"] for r in result["rows"]]
+    header = ["load", "round", "tokens", "tok/s", "TTFT p50 / p99 ms", "ITL p50 / p99 ms", "clients' CPU, cores"]
+    return (f"{result['clients']} clients, {result['share']} constrained in the mixed load. Mixed / free tok/s (mean of"
+            f" the rounds): **{result['mixed_over_free']:.2f}** (goal: at least 0.9).\n\n" + table(header, rows))
+
+
 def script(result: dict) -> str:
     return f"`{result['command']}`\n\n```\n{result['output'].strip()}\n```"
 
@@ -88,7 +96,7 @@ def markdown(report: dict) -> str:
     render = {"lane": lane, "anchor": anchor, "serve": lambda r: serve(r, anchors), "stream-interval": lambda r: serve(r, anchors),
               "serve-paged": lambda r: r["skipped"] if "skipped" in r else serve(r, anchors),
               "api-servers": lambda r: api_servers(r, anchors), "spectrum": script, "prefix": script,
-              "speculative": script, "overlap": script, "xl-streams": script, "quantize": quantize}
+              "speculative": script, "overlap": script, "xl-streams": script, "quantize": quantize, "grammar-mix": grammar_mix}
     for name, row in parts.items():
         out += ["", f"## {name}", ""]
         if row["status"] == "ok":

@@ -241,6 +241,11 @@ def measure_mix(args: argparse.Namespace, mix: dict) -> bool:
                 timings[key].add(workloads[key], chunk)
         plain.merge(timings["plain"])
         workload = workloads[name]
+        if args.profile:  # the feature's core, after its timed steps: its own functions by own time
+            profile = cProfile.Profile()
+            profile.runcall(workload.run, args.steps)
+            print(f"--- {name}", file=sys.stderr)
+            pstats.Stats(profile, stream=sys.stderr).sort_stats("tottime").print_stats(args.profile)
         evidence = workload.evidence.summary(workload.free_id, grammar_check(workload.core, grammar), pair[name][1].lora_forwards)
         results.append(timings[name].result(name, shares) | {
             "ratio": timings[name].us_per_row_step / timings["plain"].us_per_row_step,

@@ -150,7 +150,7 @@ async def one_stream(url: str, text: str, stats: ClientStats) -> None:
 
 
 def serve_clients(server: Server, texts: list[str], clients: int, per_client: int, new_tokens: int,
-                  parameters: dict | None = None, processes: int = 1) -> ClientStats:
+                  parameters: dict | list[dict] | None = None, processes: int = 1) -> ClientStats:
     """drive_clients, with the CPU time of the HTTP process, the engine core and these clients;
     `processes` > 1 spreads the clients over that many processes (drive_in_processes)."""
     # With --api-servers N the first process only supervises: the HTTP processes are its children.
@@ -171,17 +171,19 @@ def serve_clients(server: Server, texts: list[str], clients: int, per_client: in
 
 
 async def drive_clients(url: str, texts: list[str], clients: int, per_client: int, new_tokens: int,
-                        parameters: dict | None = None, indices: list[int] | None = None) -> ClientStats:
-    """`clients` streaming clients, each sending `per_client` requests in turn; `indices`: only
-    these clients of the `clients` (one process's share of them)."""
+                        parameters: dict | list[dict] | None = None, indices: list[int] | None = None) -> ClientStats:
+    """`clients` streaming clients, each sending `per_client` requests in turn; `parameters`: one
+    dict for every client, or a list (client i takes item i mod its length); `indices`: only these
+    clients of the `clients` (one process's share of them)."""
     indices = list(range(clients)) if indices is None else indices
     stats = ClientStats()
     limits = httpx.Limits(max_connections=len(indices) + 4, max_keepalive_connections=len(indices) + 4)
     async with httpx.AsyncClient(limits=limits, timeout=600) as http:
 
         async def client(index: int) -> None:
+            own = parameters[index % len(parameters)] if isinstance(parameters, list) else parameters
             for round_ in range(per_client):
-                await stream_one(http, url, texts[(index + round_ * clients) % len(texts)], new_tokens, stats, parameters)
+                await stream_one(http, url, texts[(index + round_ * clients) % len(texts)], new_tokens, stats, own)
 
         start = time.perf_counter()
         await asyncio.gather(*(client(i) for i in indices))
@@ -192,7 +194,7 @@ async def drive_clients(url: str, texts: list[str], clients: int, per_client: in
 # One Python process's event loop reads ~10k streamed events a second (httpx, JSON): below what a
 # GPU server sends to hundreds of streams, so there the clients, not the server, would set the pace.
 def drive_in_processes(url: str, texts: list[str], clients: int, per_client: int, new_tokens: int,
-                       parameters: dict | None, processes: int) -> ClientStats:
+                       parameters: dict | list[dict] | None, processes: int) -> ClientStats:
     """drive_clients with the clients dealt over `processes` spawned processes, released together
     once all have started; tokens and latencies pooled, the time from the first one's first request
     to the last one's end, and the processes' own CPU time as the clients'."""
@@ -226,11 +228,11 @@ def drive_in_processes(url: str, texts: list[str], clients: int, per_client: int
     return stats
 
 
-def client_process(url: str, texts: list[str], clients: int, per_client: int, new_tokens: int, parameters: dict | None,
-                   indices: list[int], release, results) -> None:
+def client_process(url: str, texts: list[str], clients: int, per_client: int, new_tokens: int,
+                   parameters: dict | list[dict] | None, indices: list[int], release, results) -> None:
     """One process's share of drive_in_processes' clients: one warm-up request (a fresh process's
     first one pays its imports and connection), the release, then its clients' streams."""
-    asyncio.run(drive_clients(url, texts, 1, 1, 1, parameters))
+    asyncio.run(drive_clients(url, texts, 1, 1, 1))
     release.wait(timeout=120)
     began = time.process_time()
     try:

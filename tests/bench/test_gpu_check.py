@@ -57,6 +57,11 @@ def test_every_part_runs_and_reports(smoke_report):
     assert {row["mode"] for row in parts["quantize"]["result"]["rows"]} == {"int8", "int4"}
     assert all(row["outcome"] in ("served", "refused") for row in parts["quantize"]["result"]["rows"])
     assert "served / anchor" in markdown
+    mix = parts["grammar-mix"]["result"]
+    assert [row["load"] for row in mix["rows"]] == ["free", "mixed", "mixed", "free"]
+    # Every request ran all its tokens, the constrained ones under their grammar's mask included.
+    assert all(row["tokens"] == mix["clients"] * report["config"]["new_tokens"] for row in mix["rows"])
+    assert mix["mixed_over_free"] > 0 and "Mixed / free tok/s" in markdown
 
 
 def test_pytest_summary_reads_counts_and_failures():
