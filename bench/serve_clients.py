@@ -9,6 +9,7 @@ import asyncio
 import json
 import multiprocessing
 import statistics
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -208,7 +209,10 @@ def drive_in_processes(url: str, texts: list[str], clients: int, per_client: int
     for worker in workers:
         worker.start()
     try:
-        release.wait(timeout=120)
+        try:
+            release.wait(timeout=120)
+        except threading.BrokenBarrierError:  # a worker failed to start: every one reports why
+            pass
         shares = [results.get(timeout=1800) for _ in workers]
     finally:
         for worker in workers:
@@ -232,10 +236,14 @@ def client_process(url: str, texts: list[str], clients: int, per_client: int, ne
                    parameters: dict | list[dict] | None, indices: list[int], release, results) -> None:
     """One process's share of drive_in_processes' clients: one warm-up request (a fresh process's
     first one pays its imports and connection), the release, then its clients' streams."""
-    asyncio.run(drive_clients(url, texts, 1, 1, 1))
-    release.wait(timeout=120)
-    began = time.process_time()
     try:
+        try:
+            asyncio.run(drive_clients(url, texts, 1, 1, 1))
+        except BaseException:
+            release.abort()  # the others stop waiting for this one
+            raise
+        release.wait(timeout=120)
+        began = time.process_time()
         stats = asyncio.run(drive_clients(url, texts, clients, per_client, new_tokens, parameters, indices))
         ended = time.perf_counter()
         results.put({"tokens": stats.tokens, "ttft": stats.ttft, "itl": stats.itl, "seconds": stats.seconds, "ended": ended,
