@@ -12,6 +12,8 @@ the rest; a crash or a timeout is reported in its row, never fatal to the check)
 - serve: the real server over HTTP (bench/bench_serve.py's clients) at each client count, each
   figure also as a ratio to the anchor at the same batch size; each count above 1 again with the
   clients spread over --client-processes processes;
+- prefill-chunks: the serve part at the two largest client counts with `--max-prefill-tokens 512`
+  (all clients arrive at once: what shorter prefill steps do to the inter-token p99 and TTFT);
 - grammar-mix: 64 streaming clients all free against one in 16 constrained by a JSON schema
   (a string of at least 600 characters: every constrained request runs its 128 tokens under the
   mask), alternating rounds on one server: the mixed load's tok/s over the free one's;
@@ -77,6 +79,7 @@ class Part:
 
 
 STREAM_INTERVAL = 4  # the stream-interval part's: tokens per write
+PREFILL_CHUNK = 512  # the prefill-chunks part's --max-prefill-tokens (CUDA's default: 2048)
 
 # Each part's own cap; the check as a whole stops at --budget-s (8 minutes): a part gets what is
 # left when its turn comes, so the parts measured least recently come first. Measured on one H200
@@ -86,6 +89,7 @@ PARTS = [
     Part("lane", 180, "the CUDA lane: tests/model, tests/engine, tests/analysis on the device"),
     Part("anchor", 35, "one greedy decode step as one CUDA graph, replayed (bench/cuda_anchor.py); again with paged attention"),
     Part("serve", 90, "streaming clients over HTTP against one server (bench/bench_serve.py)"),
+    Part("prefill-chunks", 90, f"the serve part at the two largest client counts with --max-prefill-tokens {PREFILL_CHUNK}"),
     Part("grammar-mix", 90, "64 clients all free against 1 in 16 constrained by a JSON schema, alternating (bench/serve_clients.py)"),
     Part("overlap", 60, "the engine core alone, overlap off against on, and its synchronising calls per step (bench/bench_overlap.py)"),
     Part("speculative", 120, "n-gram speculation on against off (bench/bench_speculative.py; needs the corpus in weights/.cache)"),
@@ -200,6 +204,14 @@ def part_serve(cfg: Config, stream_interval: int = 1, clients: list[int] | None 
 
 def part_stream_interval(cfg: Config) -> dict:
     return part_serve(cfg, STREAM_INTERVAL, cfg.clients[-2:])
+
+
+def part_prefill_chunks(cfg: Config) -> dict:
+    """The serve part at the two largest client counts with prompts prefilled PREFILL_CHUNK tokens a
+    step (a setting's environment variable, as serve-paged's): every client arrives at once, so
+    the early rows' gaps hold the later arrivals' prefill steps; smaller chunks, shorter gaps."""
+    os.environ["GPT2_MAX_PREFILL_TOKENS"] = str(PREFILL_CHUNK)
+    return part_serve(cfg, clients=cfg.clients[-2:]) | {"max_prefill_tokens": PREFILL_CHUNK}
 
 
 # The grammar-mix part: one client in GRAMMAR_SHARE constrained, by a schema no request can
@@ -355,7 +367,8 @@ def part_quantize(cfg: Config) -> dict:
 
 RUNNERS = {"lane": part_lane, "anchor": part_anchor, "serve": part_serve, "xl-streams": part_xl_streams, "overlap": part_overlap, "api-servers": part_api_servers,
            "spectrum": part_spectrum, "prefix": part_prefix, "speculative": part_speculative, "quantize": part_quantize,
-           "stream-interval": part_stream_interval, "serve-paged": part_serve_paged, "grammar-mix": part_grammar_mix}
+           "stream-interval": part_stream_interval, "serve-paged": part_serve_paged, "grammar-mix": part_grammar_mix,
+           "prefill-chunks": part_prefill_chunks}
 
 
 # --- the check: each part in its own process, bounded ------------------------------------------

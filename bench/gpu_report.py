@@ -49,6 +49,8 @@ def serve(result: dict, anchors: dict[int, float]) -> str:
               "HTTP CPU ms/token", "core CPU ms/token", "clients' CPU, cores"]
     interval = result.get("stream_interval", 1)
     writes = f" `--stream-interval {interval}`: a client's ITL is between events, {interval} per write." if interval != 1 else ""
+    if "max_prefill_tokens" in result:
+        writes += f" `--max-prefill-tokens {result['max_prefill_tokens']}`."
     return f"Server ready {result['startup_s']:.1f} s after launch.{writes}\n\n" + table(header, rows)
 
 
@@ -94,6 +96,7 @@ def markdown(report: dict) -> str:
            table(["part", "status", "seconds", "limit s", "what"],
                  [[r["part"], r["status"], f"{r['seconds']:.0f}", f"{r['limit_s']:.0f}", r["what"]] for r in report["parts"]])]
     render = {"lane": lane, "anchor": anchor, "serve": lambda r: serve(r, anchors), "stream-interval": lambda r: serve(r, anchors),
+              "prefill-chunks": lambda r: serve(r, anchors),
               "serve-paged": lambda r: r["skipped"] if "skipped" in r else serve(r, anchors),
               "api-servers": lambda r: api_servers(r, anchors), "spectrum": script, "prefix": script,
               "speculative": script, "overlap": script, "xl-streams": script, "quantize": quantize, "grammar-mix": grammar_mix}

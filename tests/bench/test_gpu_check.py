@@ -57,6 +57,9 @@ def test_every_part_runs_and_reports(smoke_report):
     assert {row["mode"] for row in parts["quantize"]["result"]["rows"]} == {"int8", "int4"}
     assert all(row["outcome"] in ("served", "refused") for row in parts["quantize"]["result"]["rows"])
     assert "served / anchor" in markdown
+    chunks = parts["prefill-chunks"]["result"]
+    assert chunks["max_prefill_tokens"] == gpu_check.PREFILL_CHUNK and f"--max-prefill-tokens {gpu_check.PREFILL_CHUNK}" in markdown
+    assert [row["clients"] for row in chunks["rows"]][:2] == counts[-2:]
     mix = parts["grammar-mix"]["result"]
     assert [row["load"] for row in mix["rows"]] == ["free", "mixed", "mixed", "free"]
     # Every request ran all its tokens, the constrained ones under their grammar's mask included.
