@@ -45,7 +45,8 @@ def floor(requirement: Requirement) -> str:
 
 def pinned(requirement: Requirement) -> str:
     extras = f"[{','.join(sorted(requirement.extras))}]" if requirement.extras else ""
-    return f"{requirement.name}{extras}=={floor(requirement)}"
+    marker = f"; {requirement.marker}" if requirement.marker else ""  # where it applies, as declared
+    return f"{requirement.name}{extras}=={floor(requirement)}{marker}"
 
 
 def main(argv: list[str] | None = None) -> None:

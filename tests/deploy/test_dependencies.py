@@ -45,4 +45,6 @@ def test_every_requirement_has_a_floor_this_environment_meets(requirement):
     lowest = Version(floor(requirement))
     installed = Version(importlib.metadata.version(requirement.name))
     assert installed >= lowest, f"{requirement.name} {installed} is below its floor {lowest}"
-    assert pinned(requirement).startswith(f"{requirement.name}") and pinned(requirement).endswith(f"=={lowest}")
+    pin, _, marker = pinned(requirement).partition("; ")
+    assert pin.startswith(f"{requirement.name}") and pin.endswith(f"=={lowest}")
+    assert marker == (str(requirement.marker) if requirement.marker else "")  # a platform's condition kept
