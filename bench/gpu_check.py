@@ -45,6 +45,7 @@ import json
 import os
 import re
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -219,6 +220,7 @@ def part_prefill_chunks(cfg: Config) -> dict:
 GRAMMAR_SHARE = 16
 LONG_STRING_SCHEMA = {"type": "object", "properties": {"text": {"type": "string", "minLength": 600}}, "required": ["text"]}
 GRAMMAR_CLIENTS = 64
+GRAMMAR_ROUNDS = 2  # of each load, in alternating order
 
 
 def part_grammar_mix(cfg: Config) -> dict:
@@ -232,14 +234,14 @@ def part_grammar_mix(cfg: Config) -> dict:
     server, startup, texts = started_server(cfg)
     rows = []
     try:
-        for round_ in range(2):
+        for round_ in range(GRAMMAR_ROUNDS):
             for load in ("free", "mixed") if round_ % 2 == 0 else ("mixed", "free"):
                 stats = serve_clients(server, texts, clients, 1, cfg.new_tokens, mixed if load == "mixed" else None,
                                       processes=cfg.client_processes)
                 rows.append(served_row(clients, stats) | {"load": load, "round": round_})
     finally:
         server.stop()
-    rate = {load: sum(r["tokens_per_s"] for r in rows if r["load"] == load) / 2 for load in ("free", "mixed")}
+    rate = {load: statistics.mean(r["tokens_per_s"] for r in rows if r["load"] == load) for load in ("free", "mixed")}
     return {"startup_s": startup, "clients": clients, "share": f"1/{GRAMMAR_SHARE}", "rows": rows,
             "mixed_over_free": rate["mixed"] / rate["free"]}
 

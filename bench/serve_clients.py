@@ -162,7 +162,7 @@ def serve_clients(server: Server, texts: list[str], clients: int, per_client: in
         return {name: sum(cpu_seconds(p) for p in group) for name, group in pids.items()} | {"clients": time.process_time()}
 
     before = cpu_now()
-    if processes > 1:
+    if min(processes, clients) > 1:
         stats = drive_in_processes(server.url, texts, clients, per_client, new_tokens, parameters, processes)
     else:
         stats = asyncio.run(drive_clients(server.url, texts, clients, per_client, new_tokens, parameters))
@@ -199,7 +199,7 @@ def drive_in_processes(url: str, texts: list[str], clients: int, per_client: int
     """drive_clients with the clients dealt over `processes` spawned processes, released together
     once all have started; tokens and latencies pooled, the time from the first one's first request
     to the last one's end, and the processes' own CPU time as the clients'."""
-    processes = max(1, min(processes, clients))
+    processes = min(processes, clients)
     context = multiprocessing.get_context("spawn")  # nothing inherited: no CUDA context, no threads
     release, results = context.Barrier(processes + 1), context.Queue()
     workers = [context.Process(target=client_process, daemon=True,
