@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -199,14 +200,15 @@ class LoraSet:
         """Bytes the adapter's resident tensors take: its A and B, nothing of the base."""
         return sum(d.nbytes for d in self._adapters[self.index(name)].values())
 
-    def rows(self, adapter_of_row: Sequence[int]) -> LoraRows | None:
+    def rows(self, adapter_of_row: Sequence[int] | np.ndarray) -> LoraRows | None:
         """What a forward takes for a batch whose row b uses adapter index adapter_of_row[b]
         (BASE: none); None when every row is a base row (the forward is then today's)."""
-        adapter_of_row = [int(i) for i in adapter_of_row]
-        for index in set(adapter_of_row) - {BASE}:
-            if not 0 <= index < len(self._adapters) or self._adapters[index] is None:
+        adapter_of_row = np.asarray(adapter_of_row, dtype=np.int64).reshape(-1)
+        present = np.unique(adapter_of_row).tolist()  # a few indices: array work, no Python per row
+        for index in present:
+            if index != BASE and (not 0 <= index < len(self._adapters) or self._adapters[index] is None):
                 raise KeyError(f"no adapter has index {index}")
-        if all(i == BASE for i in adapter_of_row):
+        if present == [] or present == [BASE]:
             return None
         return LoraRows(self, adapter_of_row)
 
@@ -251,26 +253,26 @@ class LoraRows:
     """Which adapter each row of a batch uses (`LoraSet.rows`); passed to GPT2.forward / forward_packed."""
 
     adapters: LoraSet
-    adapter_of_row: list[int]
-    # `grouped_by_adapter` of the rows, one token each: found once (a Python pass over the batch)
-    # for both `by_adapter` and a decode forward's `over_width`.
-    _rows_grouped: tuple[list[int], list[tuple[int, int, int]]] | None = field(default=None, repr=False, compare=False)
+    adapter_of_row: np.ndarray  # [B] int64: each row's adapter index, BASE for none
+    # `grouped_by_adapter` of the rows, one token each: found once for both `by_adapter` and a
+    # decode forward's `over_width`.
+    _rows_grouped: tuple[np.ndarray, list[tuple[int, int, int]]] | None = field(default=None, repr=False, compare=False)
 
-    def by_adapter(self) -> tuple[list[int], list[int], LoraRows] | None:
+    def by_adapter(self) -> tuple[np.ndarray, np.ndarray, LoraRows] | None:
         """(order, its inverse, the rows in that order): the batch's rows reordered so each
         adapter's are consecutive, as `over_tokens` groups them; None when they already are. A
         forward that runs its rows in this order groups them once (GPT2.forward) instead of
         gathering them at every adapted layer."""
         order, spans = self._grouped_rows()
-        if order == list(range(len(order))):
+        if is_identity(order):
             return None
         # Its rows come grouped: in order, each adapter's slice where it was.
-        grouped = LoraRows(self.adapters, [self.adapter_of_row[row] for row in order], (list(range(len(order))), spans))
+        grouped = LoraRows(self.adapters, self.adapter_of_row[order], (np.arange(len(order)), spans))
         return order, inverse_of(order), grouped
 
-    def _grouped_rows(self) -> tuple[list[int], list[tuple[int, int, int]]]:
+    def _grouped_rows(self) -> tuple[np.ndarray, list[tuple[int, int, int]]]:
         if self._rows_grouped is None:
-            self._rows_grouped = grouped_by_adapter(self.adapter_of_row, [1] * len(self.adapter_of_row))
+            self._rows_grouped = grouped_by_adapter(self.adapter_of_row)
         return self._rows_grouped
 
     def over_width(self, width: int, device: torch.device) -> LoraGroups:
@@ -290,28 +292,36 @@ class LoraRows:
         return LoraGroups(self.adapters, order, spans, device)
 
 
-def grouped_by_adapter(adapter_of_row: Sequence[int], tokens_per_row: Sequence[int]) -> tuple[list[int], list[tuple[int, int, int]]]:
-    """(order, spans): the flattened tokens (row b owning the next tokens_per_row[b]) adapter by
-    adapter, adapters as they first appear and the base's last; each adapter's (index, start,
-    end) slice of `order`."""
-    positions: dict[int, list[int]] = {}
-    start = 0
-    for index, count in zip(adapter_of_row, tokens_per_row):
-        positions.setdefault(index, []).extend(range(start, start + count))
-        start += count
-    order, spans = [], []
-    for index, rows in sorted(positions.items(), key=lambda item: item[0] == BASE):  # the base's rows last
-        if index != BASE:
-            spans.append((index, len(order), len(order) + len(rows)))
-        order.extend(rows)
+def grouped_by_adapter(adapter_of_row: Sequence[int] | np.ndarray,
+                       tokens_per_row: Sequence[int] | None = None) -> tuple[np.ndarray, list[tuple[int, int, int]]]:
+    """(order, spans): the flattened tokens (row b owning the next tokens_per_row[b]; one each
+    when None) adapter by adapter, adapters as they first appear and the base's last, each
+    adapter's tokens in their order; each adapter's (index, start, end) slice of `order`.
+    A decode step groups every row of its batch: array operations, no Python per row."""
+    rows = np.asarray(adapter_of_row, dtype=np.int64).reshape(-1)
+    adapters, first, which = np.unique(rows, return_index=True, return_inverse=True)  # sorted by index
+    first[adapters == BASE] = len(rows)  # after every other adapter's first row
+    by_first = np.argsort(first, kind="stable")  # the adapters in the order they take
+    rank = np.empty_like(by_first)
+    rank[by_first] = np.arange(len(by_first))
+    places = rank[which.reshape(-1)]  # each row's adapter's place
+    if tokens_per_row is not None:  # each token's
+        places = np.repeat(places, np.asarray(tokens_per_row, dtype=np.int64))
+    order = np.argsort(places, kind="stable")  # stable: each adapter's tokens keep their order
+    ends = np.cumsum(np.bincount(places, minlength=len(adapters))).tolist()
+    spans = [(index, end - count, end) for index, count, end in
+             zip(adapters[by_first].tolist(), np.diff([0, *ends]).tolist(), ends) if index != BASE]
     return order, spans
 
 
-def inverse_of(order: list[int]) -> list[int]:
+def is_identity(order: np.ndarray) -> bool:
+    return bool((order == np.arange(len(order))).all())
+
+
+def inverse_of(order: np.ndarray) -> np.ndarray:
     """The permutation that puts `order`'s items back: inverse[order[i]] = i."""
-    inverse = [0] * len(order)
-    for place, item in enumerate(order):
-        inverse[item] = place
+    inverse = np.empty_like(order)
+    inverse[order] = np.arange(len(order))
     return inverse
 
 
@@ -325,7 +335,7 @@ class LoraGroups:
     needs is built here on the host, once per forward: no layer waits on the device to learn its
     indices."""
 
-    def __init__(self, adapters: LoraSet, order: list[int], spans: list[tuple[int, int, int]], device: torch.device) -> None:
+    def __init__(self, adapters: LoraSet, order: np.ndarray, spans: list[tuple[int, int, int]], device: torch.device) -> None:
         self.adapters = adapters
         self.spans = spans  # (adapter index, start, end): each adapter's slice of `order`
         self.tokens = len(order)
@@ -336,16 +346,16 @@ class LoraGroups:
         self._device = device
         self.order: torch.Tensor | None = None  # None: the tokens are in `order` already
         self.inverse: torch.Tensor | None = None
-        if order != list(range(self.tokens)):
+        if not is_identity(order):
             self.order, self.inverse, _ = self._grouping([(start, end) for _index, start, end in spans])
 
     def _grouping(self, kept: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor, list[tuple[int, int]]]:
         """(order, inverse, spans) on the device, with the tokens of the slices `kept` of `_order`
         first, in their order, and the others after."""
-        firsts = [place for start, end in kept for place in range(start, end)]
-        taken = set(firsts)
-        places = firsts + [place for place in range(self.tokens) if place not in taken]
-        order = [self._order[place] for place in places]
+        firsts = np.concatenate([np.arange(start, end) for start, end in kept]) if kept else np.zeros(0, np.int64)
+        others = np.ones(self.tokens, dtype=bool)
+        others[firsts] = False
+        order = self._order[np.concatenate([firsts, np.flatnonzero(others)])]
         inverse = inverse_of(order)
         spans, offset = [], 0
         for start, end in kept:

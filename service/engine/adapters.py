@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
+import numpy as np
+
 from model.gpt2 import GPT2
 from model.lora import BASE, LoraRows, LoraSet
 
@@ -57,7 +59,9 @@ class ServedAdapters:
         """A forward's per-row adapters; None (the base forward, exactly as without adapters)
         when none is loaded (then `adapters`, a generator on the step's path, is never walked)
         or no row uses one."""
-        return self.set.rows(list(adapters)) if self.loaded else None
+        if not self.loaded:
+            return None
+        return self.set.rows(adapters if isinstance(adapters, np.ndarray) else np.fromiter(adapters, dtype=np.int64))
 
     def free_unused(self, in_use: Callable[[int], bool]) -> list[int]:
         """Free the unloading adapters no request uses any more; their indices."""

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from model.logits_processors import NO_TOKEN, Controls
+from model.lora import BASE
 from model.sampling import SamplingTensors
 from model.transfer import to_device
 from service.engine.requests import RequestState, Sequence
@@ -103,6 +104,8 @@ class InputBatch:
         # few such rows without Python per row.
         self.per_row = np.zeros(max_slots, dtype=bool)
         self.constrained = np.zeros(max_slots, dtype=bool)
+        # Each slot's LoRA adapter index (BASE: none): a forward's rows' adapters in one index.
+        self.adapter = np.full(max_slots, BASE, dtype=np.int64)
         self._made: dict[tuple[int, int, int], RowFeatures] = {}  # few distinct ones: made once
 
     def add(self, state: RequestState, seq: Sequence) -> None:
@@ -131,6 +134,7 @@ class InputBatch:
         self.index[slot] = seq.index
         self.bits[slot], self.ngram[slot], self.top_logprobs[slot] = bits, params.no_repeat_ngram_size, params.top_logprobs
         self.per_row[slot], self.constrained[slot] = bool(bits & PER_ROW_BIT), seq.matcher is not None
+        self.adapter[slot] = seq.adapter
 
     def write_device(self, slot: int, p: SamplingParams, prompt_ids: list[int], seed: int) -> None:
         """The slot's device rows for a sequence with parameters `p` (`seed`: its own sampling seed,
@@ -185,6 +189,7 @@ class InputBatch:
         self.table[dst] = self.table[src]
         self.stop_ids[dst] = self.stop_ids[src]
         self.per_row[dst], self.constrained[dst] = self.per_row[src], self.constrained[src]
+        self.adapter[dst] = self.adapter[src]
         for column in (self.seq, self.state, self.request_id, self.index, self.bits, self.ngram, self.top_logprobs,
                        self._plain, self._neutral):
             column[dst] = column[src]

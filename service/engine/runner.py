@@ -141,11 +141,11 @@ class ModelRunner:
     def _decode(self, step_rows: StepRows) -> torch.Tensor:
         """Logits [B + drafted tokens, V]: one row per sequence (in slot order), 1 + k for one with
         a draft."""
-        seqs = step_rows.decoding
-        lora = self.adapters.rows(s.adapter for s in seqs) if self.adapters.loaded else None
+        seqs, loaded = step_rows.decoding, self.adapters.loaded  # (no call on the path without adapters)
         if step_rows.from_device:
-            return self._decode_batch(step_rows, lora)
+            return self._decode_batch(step_rows, self._lora(step_rows.facts.slots[: len(seqs)]) if loaded else None)
         slots = [s.slot for s in seqs]
+        lora = self._lora(slots) if loaded else None
         if step_rows.drafted:  # row by row, every sequence verifying its draft (or none)
             return self._verify(seqs, lora)
         lengths = [len(s.token_ids) + s.pending for s in seqs]
@@ -170,12 +170,17 @@ class ModelRunner:
         step without drafts computes them, then the drafted sequences' [sum of 1 + k, V]."""
         seqs, drafted = step_rows.decoding, step_rows.drafted
         undrafted = seqs[: len(seqs) - len(drafted)]
-        parts = [self._decode_batch(step_rows, self._lora(undrafted))] if undrafted else []
-        parts.append(self._verify(drafted, self._lora(drafted)))
+        loaded = self.adapters.loaded
+        if undrafted:
+            parts = [self._decode_batch(step_rows, self._lora(step_rows.facts.slots[: len(undrafted)]) if loaded else None)]
+        else:
+            parts = []
+        parts.append(self._verify(drafted, self._lora([s.slot for s in drafted]) if loaded else None))
         return parts
 
-    def _lora(self, seqs: list[Sequence]) -> LoraRows | None:
-        return self.adapters.rows(s.adapter for s in seqs) if self.adapters.loaded else None
+    def _lora(self, slots: list[int] | np.ndarray) -> LoraRows | None:
+        """The adapters of the rows on `slots`, from the input batch's column (no Python per row)."""
+        return self.adapters.rows(self.batch.adapter[slots])
 
     def _verify(self, seqs: list[Sequence], lora: LoraRows | None) -> torch.Tensor:
         """Logits [sum of 1 + k, V]: each sequence's last token and draft (k tokens, maybe none),

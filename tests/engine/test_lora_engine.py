@@ -73,6 +73,20 @@ def test_each_row_gets_what_it_gets_alone(make_engine, adapter_dirs, config):
     assert engine.cache.slots_used == 0
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_rows_laid_out_from_the_batchs_arrays_get_what_they_get_alone(make_engine, adapter_dirs, overlap):
+    """With 16 or more running (layout.BATCHED_ROWS) a forward's adapters come from the input
+    batch's column, indexed by the rows' slots: written at admission and carried by packing moves
+    as requests finish."""
+    entries = [(adapter, seed + 10 * copy, length + copy, params) for copy in range(3) for adapter, seed, length, params in MIXED]
+    config = dict(max_slots=32, overlap=overlap)
+    alone = {}
+    for request in adapted_requests(entries):
+        [alone[request.request_id]] = [outcome(f) for f in adapted_engine(make_engine, adapter_dirs, **config).generate([request])]
+    engine = adapted_engine(make_engine, adapter_dirs, **config)
+    assert_same_outputs({f.request_id: outcome(f) for f in engine.generate(adapted_requests(entries))}, alone)
+
+
 @torch.inference_mode()
 def test_an_adapters_greedy_tokens_are_peft_models(make_engine, adapter_dirs, tiny_model_dir):
     reference = peft.PeftModel.from_pretrained(load_reference_model(tiny_model_dir), adapter_dirs["poems"]).eval()

@@ -5,6 +5,7 @@ gives every row the bits it gets alone (docs/lora.md)."""
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,7 @@ from model.kv_cache import KVCache
 from model.gpt2 import Packing
 import model.lora as lora_module
 from model.linear import Conv1D
-from model.lora import BASE, LoraConv1D, LoraSet
+from model.lora import BASE, LoraConv1D, LoraSet, grouped_by_adapter, inverse_of
 from model.lora_format import CONFIG_FILE, WEIGHTS_FILE, AdapterError
 from model.quantized import quantize_problem
 from tests.conftest import write_tiny_model
@@ -183,10 +184,35 @@ def test_a_forwards_groupings_are_built_once_on_the_host(small_dir, tmp_path, mo
     # Rows run as [attention, every, base]: c_attn, which both adapt, needs no grouping; c_proj
     # and c_fc, which only `every` adapts, one, [order, inverse], read by every layer of the 3 blocks.
     assert [len(order) for order, _inverse in copies[:1]] == [12]
-    assert copies[0][0][:4] == list(range(4, 8))  # `every`'s tokens (now the second row) first
+    assert list(copies[0][0][:4]) == list(range(4, 8))  # `every`'s tokens (now the second row) first
     # Then the forward in the batch's order: c_attn's grouping and c_proj's and c_fc's.
     assert [len(order) for order, _inverse in copies[1:]] == [12, 12]
     assert torch.equal(grouped, gathered)
+
+
+def test_tokens_are_grouped_adapter_by_adapter_in_first_appearance_order_the_base_last():
+    """grouped_by_adapter's contract, against the statement of it row by row: the tokens (row b
+    owning the next tokens_per_row[b]) adapter by adapter, adapters as their first row appears
+    (an empty row's too), the base's last, each adapter's tokens in their order, and each
+    non-base adapter's slice of the order."""
+    chooser = random.Random(0)
+    for _ in range(2000):
+        rows = [chooser.choice([BASE, BASE, 0, 1, 2, 5]) for _ in range(chooser.randint(0, 40))]
+        counts = [chooser.randint(0, 3) for _ in rows] if chooser.random() < 0.5 else None
+        starts, start = [], 0
+        for count in counts or [1] * len(rows):
+            starts.append(range(start, start + count))
+            start += count
+        adapters = list(dict.fromkeys(a for a in rows if a != BASE)) + ([BASE] if BASE in rows else [])
+        expected, spans = [], []
+        for adapter in adapters:
+            tokens = [t for a, span in zip(rows, starts) if a == adapter for t in span]
+            if adapter != BASE:
+                spans.append((adapter, len(expected), len(expected) + len(tokens)))
+            expected += tokens
+        order, found = grouped_by_adapter(rows, counts)
+        assert (order.tolist(), found) == (expected, spans)
+        assert order[inverse_of(order)].tolist() == list(range(len(order)))
 
 
 @pytest.mark.parametrize("case", BAD_FOLDERS)
