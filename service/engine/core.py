@@ -219,7 +219,7 @@ class EngineCore:
             prefill_tokens=prefill_tokens,
             cached_prompt_tokens=cached_tokens,
             decode_tokens=decode_tokens,
-            running=len(scheduler.running),
+            running=len(scheduler.active.states),
             waiting=scheduler.waiting.count,
             kv_slots_used=self.cache.slots_used,
             kv_slots_total=self.cache.max_slots,

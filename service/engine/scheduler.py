@@ -1,9 +1,9 @@
-"""Which sequences run each step, and what becomes of them: admission from the waiting queue into
-KV-cache slots (sharing cached prefix blocks) with each admitted request's sequences, prompt chunks
-within the step's prefill budget, cancellation, preemption, packing (`schedule`: one StepPlan down
-to the model runner), then the step's tokens appended, stops checked and requests finished or
-failed (`update_from_output`: the launched step read, one StepResults up). Nothing here runs the
-model.
+"""Which sequences run each step, and what becomes of them: admission from the waiting queue
+(admission.py: into KV-cache slots, sharing cached prefix blocks), prompt chunks within the step's
+prefill budget, cancellation, preemption, packing (`schedule`: one StepPlan down to the model
+runner), then the step's tokens appended, stops checked and requests finished or failed
+(`update_from_output`: the launched step read, one StepResults up). The running requests are
+running.py's. Nothing here runs the model.
 
 Thread model: `submit` and `cancel` may be called from another thread than the one stepping
 (tests drive both from one) and only touch the waiting queue (service/engine/waiting.py, under its
@@ -13,7 +13,6 @@ lock). Everything else (running requests, slots) belongs to the caller of `sched
 from __future__ import annotations
 
 import logging
-import secrets
 from collections.abc import Callable
 from operator import attrgetter
 
@@ -21,14 +20,16 @@ import numpy as np
 
 from model.kv_cache import KVCache
 from model.lora import BASE
-from service.engine.beams import BeamMove, advance_beam_requests, beam_results, start_beam_search
+from service.engine.admission import Admission, PrefillBudget
+from service.engine.beams import BeamMove, advance_beam_requests, beam_results
 from service.engine.block_room import BlockRoom, OutOfBlocks, recomputable
-from service.engine.faults import RowFault, start_failed
+from service.engine.faults import RowFault
 from service.engine.grammar import Grammars
 from service.engine.ngram_drafter import NgramSettings
-from service.engine.prefix_cache import PrefixCache, PrefixMatch, common_prefix_length
+from service.engine.prefix_cache import PrefixCache
 from service.engine.requests import PrefillChunk, RequestState, Sequence, StepPlan
-from service.engine.speculation import needing_host_tokens, new_drafter, propose
+from service.engine.running import RunningRequests
+from service.engine.speculation import needing_host_tokens, propose
 from service.engine.step_data import LaunchedStep
 from service.engine.step_reader import StepReader, StepResults
 from service.engine.validation import validate_request
@@ -38,34 +39,7 @@ from service.engine.waiting import WaitingQueue
 log = logging.getLogger(__name__)
 
 
-# A prompt that would share at least this many more tokens with a prompt still being prefilled
-# than with anything cached waits for it (a step or a few) rather than computing them again.
-SHARED_PREFIX_WORTH_WAITING = 32
 BY_SLOT = attrgetter("slot")
-# Spreads the seeds of a request's several sampled sequences (2^64 / golden ratio).
-SEED_STRIDE = 0x9E3779B97F4A7C15
-SEED_MODULUS = 2**63  # seeds are int64 tensors on the device
-
-
-class PrefillBudget:
-    """Prompt tokens one step may prefill. Rows are packed (service/engine/forward.py), so each
-    costs its own tokens: a short prompt rides beside a long one's chunk.
-
-    A prompt's chunks are whole budgets (the last one what is left of it), never the remainder
-    of a budget other prompts used: where its chunks end changes its attention's query counts,
-    hence the last bits of its logits (docs/batch-invariance.md), and they must not depend on
-    what else arrived. A chunk that does not fit waits for the next step."""
-
-    def __init__(self, tokens: int) -> None:
-        self.tokens = self.left = tokens
-
-    def take(self, remaining: int) -> int:
-        """The chunk a prompt with `remaining` tokens to go gets this step (0: none fits)."""
-        chunk = min(remaining, self.tokens)
-        if chunk > self.left:
-            return 0
-        self.left -= chunk
-        return chunk
 
 
 class Scheduler:
@@ -91,14 +65,9 @@ class Scheduler:
         self.max_prefill_tokens = max_prefill_tokens
         self.prefix = PrefixCache(prefix_caching, cache)
         self.room = BlockRoom(cache)
-        # Kept up to date as requests come and go (_place, leave), so that neither a step nor an
-        # admission asks every running request: the running requests in admission order, those
-        # among them that need the host's tokens before each step (RequestState.host_paced), and
-        # them by their prompt's first token (only those can share a prefix with a new prompt).
-        self.running: list[RequestState] = []
-        self.host_paced: list[RequestState] = []
-        self.beams_running = 0  # of which beam searches
-        self._by_first_token: dict[int, list[RequestState]] = {}
+        self.active = RunningRequests()
+        self.admission = Admission(cache, self.waiting, self.prefix, self.room, self.active, grammars, speculative,
+                                   eos_token_id)
         self.releases = 0  # sequences ended so far (finished or cancelled)
         self.preemptions = 0  # running requests sent back to the queue for want of KV blocks
 
@@ -128,8 +97,21 @@ class Scheduler:
         """Refuse new submissions from now on (draining)."""
         self.waiting.close()
 
+    @property
+    def running(self) -> list[RequestState]:
+        """The running requests, in admission order."""
+        return self.active.states
+
+    @property
+    def host_paced(self) -> list[RequestState]:
+        return self.active.host_paced
+
+    @property
+    def beams_running(self) -> int:
+        return self.active.beams
+
     def has_work(self) -> bool:
-        return bool(self.running) or self.waiting.count > 0 or bool(self.waiting.cancelled)
+        return bool(self.active.states) or self.waiting.count > 0 or bool(self.waiting.cancelled)
 
     # --- stepping side --------------------------------------------------------------------------
     def schedule(self, now: float, exhausted: list[RequestState] | None = None, in_flight: bool = False) -> StepPlan:
@@ -140,12 +122,12 @@ class Scheduler:
         if self.waiting.cancelled:  # read without the lock: a cancel arriving meanwhile is taken next step
             cancel = self.waiting.take_cancelled()
             cancelled = self.waiting.drop(lambda state: state.request.request_id in cancel)
-            leaving = [state for state in self.running if state.request.request_id in cancel]
+            leaving = [state for state in self.active.states if state.request.request_id in cancel]
             for state in leaving:
                 self._release_cancelled(state)
             self.leave(leaving)
             cancelled += leaving
-        kept = self.running
+        kept = self.active.states
         # Prompts already admitted go on first, in admission order; then new ones while slots
         # and the budget allow.
         chunks = []
@@ -161,8 +143,8 @@ class Scheduler:
         # every row) those sitting out.
         left_out = {id(state) for state in exhausted} if exhausted else set()
         sitting_out, paced = [], []
-        if self.host_paced:
-            paced = [state for state in self.host_paced
+        if self.active.host_paced:
+            paced = [state for state in self.active.host_paced
                      if state.prefilled >= state.prompt_length and id(state) not in left_out]
         if in_flight and paced:
             # Its next step needs its last token on the host (a draft, a beam): a request
@@ -195,7 +177,7 @@ class Scheduler:
         if paced and len(decode) < stepping_before:  # a drafter preempted by _grow drafts nothing
             stepping = {id(state) for state in decode}
             paced = [state for state in paced if id(state) in stepping]
-        admitted, unstarted = self._admit(now, budget, chunks) if waiting else ([], [])
+        admitted, unstarted = self.admission.admit(now, budget, chunks) if waiting else ([], [])
         moves = [] if self.cache.packed else self._pack()  # packed: no live sequence above a hole
         for chunk in chunks:  # what the plan's forwards write, before anyone can read it
             state = chunk.state
@@ -209,9 +191,10 @@ class Scheduler:
                     seq.cached = len(seq.token_ids)
                     seq.block_keys = list(first.block_keys)
         beam_moves, self._beam_moves = self._beam_moves, []
+        active = self.active
         plan = StepPlan(chunks, decode, cancelled, moves, [chunk.state for chunk in chunks if chunk.completes],
                         sum(chunk.end - chunk.start for chunk in chunks), sum(s.reused for s in admitted), admitted,
-                        running=len(self.running), host_paced=len(self.host_paced), beams=self.beams_running,
+                        running=len(active.states), host_paced=len(active.host_paced), beams=active.beams,
                         sitting_out=[seq.slot for state in sitting_out for seq in state.live], beam_moves=beam_moves,
                         failed=[self._answer_failed(state, fault) for state, fault in unstarted])
         if self.speculative is not None and paced:  # drafters are host-paced
@@ -222,132 +205,6 @@ class Scheduler:
                 self.room.grow_drafts(paced)  # a draft with no room left is cut, perhaps to nothing
                 plan.drafted = [seq for seq in plan.drafted if seq.draft]
         return plan
-
-    def _admit(
-        self, now: float, budget: PrefillBudget, chunks: list[PrefillChunk]
-    ) -> tuple[list[RequestState], list[tuple[RequestState, RowFault]]]:
-        """Admit waiting requests in arrival order while slots and the prefill budget allow: those
-        started, and those that failed to (each alone: nothing of it is left running).
-
-        One whose prompt shares a long prefix with a prompt still being prefilled waits for it
-        (the requests behind it go on), so the shared part is computed once.
-        """
-        unstarted = []
-        with self.waiting.admitting() as (waiting, admitted):
-            for state in waiting:
-                if state.slots_needed > self.cache.slots_free:
-                    break  # first come, first served: nobody overtakes another for slots
-                if not self._grammar_ready(state):  # compiling off the step loop: the others go on
-                    continue
-                match = None
-                if self.prefix.enabled:  # without the cache, nothing is reused or worth waiting for
-                    match = self._match(state)
-                    if not state.resumed and self._worth_waiting(state, match.length if match else 0):
-                        continue
-                reused = match.length if match else 0
-                if not self.room.admits(state, match, len(self.running)):
-                    break  # nor for blocks
-                # (A preempted sequence whose every block was found has nothing to prefill.)
-                remaining = state.prompt_length - reused
-                size = budget.take(remaining) if remaining else 0
-                if remaining and not size:
-                    break
-                admitted.append(state)  # out of the queue, started or not
-                try:
-                    self._place(state, match, now)
-                except Exception as exc:
-                    log.exception("request %s could not start", state.request.request_id)
-                    unstarted.append((state, start_failed(exc)))
-                    continue
-                if size:
-                    chunks.append(PrefillChunk(state, reused, reused + size))
-        if unstarted:
-            failed = {id(state) for state, _ in unstarted}
-            admitted = [state for state in admitted if id(state) not in failed]
-        return admitted, unstarted
-
-    def _match(self, state: RequestState) -> PrefixMatch | None:
-        """The cached blocks an admission shares: of its prompt, or of a preempted sequence's
-        tokens to recompute."""
-        tokens = state.sequences[0].token_ids[: state.prompt_length] if state.resumed else state.request.prompt_ids
-        alternatives = state.score_alternatives
-        if alternatives is not None:  # scores the running prompts sharing its first token computed since
-            for other in self._by_first_token.get(tokens[0], ()):
-                self.prefix.keep_scores(other)
-        return self.prefix.match(tokens, alternatives, state.adapter, samples=not state.resumed)
-
-    def _worth_waiting(self, state: RequestState, reused: int) -> bool:
-        prompt, wanted = state.request.prompt_ids, state.score_alternatives
-        for other in self._by_first_token.get(prompt[0], ()):  # nothing shared with the others
-            if other.prefilled >= len(other.request.prompt_ids):
-                continue  # not prefilling
-            if other.adapter != state.adapter:
-                continue  # another adapter's keys
-            if wanted is not None and (not other.params.prompt_logprobs or other.params.top_logprobs < wanted):
-                continue  # its scores could not be reused anyway
-            shared = min(common_prefix_length(prompt, other.request.prompt_ids), len(prompt) - 1)
-            shared -= shared % self.cache.block_size  # whole blocks are shared
-            if shared - reused >= SHARED_PREFIX_WORTH_WAITING:
-                return True
-        return False
-
-    def _place(self, state: RequestState, match: PrefixMatch | None, now: float) -> None:
-        """Give an admitted request its slots, the first one starting with the cached blocks it
-        shares. If that raises, the slots and blocks are given back and it is not running."""
-        state.scheduled_time = now
-        slots = self.cache.allocate(state.slots_needed, tokens=0)
-        try:
-            self.room.place(state, slots, match)  # blocks for the prompt
-            if state.resumed:  # preempted: its sequence goes on, on a new row
-                state.sequences[0].slot = slots[0]
-            else:
-                state.sequences = self._new_sequences(state, slots)
-        except Exception:
-            self.cache.free(slots)
-            raise
-        self.running.append(state)
-        if state.host_paced:
-            self.host_paced.append(state)
-        self.beams_running += state.beam is not None
-        self._by_first_token.setdefault(state.request.prompt_ids[0], []).append(state)
-        first = state.sequences[0]
-        first.block_keys = list(match.keys) if match is not None else []
-        if match is None:
-            return
-        state.prefilled = state.reused = first.cached = match.length
-        state.prompt_scores = match.scores
-
-    def _new_sequences(self, state: RequestState, slots: list[int]) -> list[Sequence]:
-        """An admitted request's sequences on its slots: seeds, beam search, drafter, grammar."""
-        params, prompt = state.params, state.request.prompt_ids
-        if params.do_sample:
-            state.seed = params.seed if params.seed is not None else secrets.randbits(63)
-        if params.num_beams > 1:
-            state.beam = start_beam_search(params, prompt, self.eos_token_id)
-        sequences = []
-        for index, slot in enumerate(slots):
-            seed = (state.seed + index * SEED_STRIDE) % SEED_MODULUS if params.do_sample and state.beam is None else 0
-            # A copy of the grammar compiled off the step loop before admission (Grammars.prepare).
-            matcher = self.grammars.matcher(params.grammar) if params.grammar is not None else None
-            sequences.append(Sequence(index, slot, list(prompt), len(prompt), drafter=new_drafter(self.speculative, params),
-                                      matcher=matcher, adapter=state.adapter, seed=seed))
-        # A grammar's matcher needs its last token only to draw (StepSampler.launch waits for it),
-        # not to plan the step: a constrained request is not host-paced.
-        state.host_paced = state.beam is not None or any(s.drafter is not None for s in sequences)
-        return sequences
-
-    def _grammar_ready(self, state: RequestState) -> bool:
-        grammar = state.params.grammar
-        if grammar is None:
-            return True
-        if not self.grammars.ready(grammar) or grammar in self.grammars.errors:
-            return False
-        if not self.grammars.cached(grammar):
-            # Dropped from the cache since it compiled (more grammars came after it than the cache
-            # holds): compiled again on the worker, not by its matcher here on the step loop.
-            self.grammars.prepare(grammar)
-            return False
-        return True
 
     def refuse_uncompiled(self) -> list[RequestFailed]:
         """Take the grammars compiled since the last step. Waiting requests whose grammar failed to
@@ -483,31 +340,17 @@ class Scheduler:
 
     def adapter_in_use(self, adapter: int) -> bool:
         """Whether a running or waiting request uses the adapter."""
-        return any(state.adapter == adapter for state in self.running + self.waiting.states())
+        return any(state.adapter == adapter for state in self.active.states + self.waiting.states())
 
     def leave(self, states: list[RequestState]) -> None:
         """Running requests leave (finished or cancelled): what is kept about the running follows."""
-        if not states:
-            return
-        gone = {id(state) for state in states}
-        self.running = [s for s in self.running if id(s) not in gone]
-        if self.host_paced:
-            self.host_paced = [s for s in self.host_paced if id(s) not in gone]
-        self.beams_running -= sum(state.beam is not None for state in states)
-        for first_token in {state.request.prompt_ids[0] for state in states}:
-            kept = [s for s in self._by_first_token.get(first_token, ()) if id(s) not in gone]
-            if kept:
-                self._by_first_token[first_token] = kept
-            else:
-                self._by_first_token.pop(first_token, None)
+        self.active.remove(states)
 
     def abort_running(self) -> list[RequestState]:
         """Free every running request's slots (after a failed step) and forget them, and
         everything the cache kept: a failed step may have left any slot half-written."""
-        aborted, self.running = self.running, []
-        self.host_paced, self.beams_running = [], 0
+        aborted = self.active.clear()
         self._beam_moves = []  # for slots no request holds any more
-        self._by_first_token.clear()
         for state in aborted:
             self._release_cancelled(state)
             self.forget(state.request.request_id)
@@ -537,7 +380,7 @@ class Scheduler:
                 self.room.grow(slots, written)
                 return decode, chunks, deferred
             except OutOfBlocks:
-                leaving = next((state for state in reversed(self.running) if recomputable(state)), None)
+                leaving = next((state for state in reversed(self.active.states) if recomputable(state)), None)
                 if leaving is not None:
                     self._preempt(leaving)
                     chunks = [chunk for chunk in chunks if chunk.state is not leaving]
@@ -571,7 +414,7 @@ class Scheduler:
         A move is a block-table move (KVCache.move_row): no key or value is copied.
         """
         moves = []
-        live = sorted((seq for state in self.running for seq in state.live), key=BY_SLOT)
+        live = sorted((seq for state in self.active.states for seq in state.live), key=BY_SLOT)
         while live and live[-1].slot >= len(live):
             seq = live.pop()
             target = self.cache.allocate(1, tokens=0)[0]  # the lowest free slot, below seq.slot

@@ -189,7 +189,7 @@ def test_a_request_that_fails_to_start_fails_alone(make_engine, monkeypatch, alo
     """Starting an admitted request (its beam search, its grammar's matcher, its prompt's blocks)
     raises: that request fails with an error of its own, nothing of it stays behind (rows,
     blocks, its id), and the requests beside it run as they do without it."""
-    import service.engine.scheduler as scheduler_module
+    import service.engine.admission as admission_module
 
     engine = make_engine()
     scheduler = engine.core.scheduler
@@ -204,8 +204,8 @@ def test_a_request_that_fails_to_start_fails_alone(make_engine, monkeypatch, alo
         return call
 
     if part == "beam search":
-        monkeypatch.setattr(scheduler_module, "start_beam_search",
-                            breaking(scheduler_module.start_beam_search, lambda params, *_: params.num_beams == 4))
+        monkeypatch.setattr(admission_module, "start_beam_search",
+                            breaking(admission_module.start_beam_search, lambda params, *_: params.num_beams == 4))
     elif part == "grammar matcher":
         monkeypatch.setattr(engine.core.grammars, "matcher",
                             breaking(engine.core.grammars.matcher, lambda grammar: grammar == hostile.params.grammar))

@@ -82,7 +82,7 @@ def test_a_request_larger_than_the_whole_cache_is_refused(make_engine):
 def test_samples_of_one_prompt_share_its_blocks_and_draw_as_requests_alone(make_engine):
     """n samples fork the prompt's blocks (prefilled once); sample i draws what a request alone
     with its seed draws, over the same keys."""
-    from service.engine.scheduler import SEED_MODULUS, SEED_STRIDE
+    from service.engine.admission import SEED_MODULUS, SEED_STRIDE
 
     prompt = random_prompt(70, seed=5)  # 5 blocks, the last one partly filled
     params = dict(do_sample=True, temperature=0.9, max_new_tokens=12)
