@@ -298,19 +298,25 @@ def grouped_by_adapter(adapter_of_row: Sequence[int] | np.ndarray,
     when None) adapter by adapter, adapters as they first appear and the base's last, each
     adapter's tokens in their order; each adapter's (index, start, end) slice of `order`.
     A decode step groups every row of its batch: array operations, no Python per row."""
-    rows = np.asarray(adapter_of_row, dtype=np.int64).reshape(-1)
-    adapters, first, which = np.unique(rows, return_index=True, return_inverse=True)  # sorted by index
-    first[adapters == BASE] = len(rows)  # after every other adapter's first row
+    shifted = np.asarray(adapter_of_row, dtype=np.int64).reshape(-1) - BASE  # the base 0, adapter i i + 1
+    counts = np.bincount(shifted)
+    present = np.flatnonzero(counts)  # ascending
+    # Each present adapter's first row: the first of its run in a stable sort of the rows.
+    by_value = np.argsort(shifted, kind="stable")
+    first = by_value[np.cumsum(counts[present]) - counts[present]]
+    first[present == 0] = len(shifted)  # the base after every adapter
     by_first = np.argsort(first, kind="stable")  # the adapters in the order they take
-    rank = np.empty_like(by_first)
-    rank[by_first] = np.arange(len(by_first))
-    places = rank[which.reshape(-1)]  # each row's adapter's place
+    rank = np.zeros(len(counts), dtype=np.int64)
+    rank[present[by_first]] = np.arange(len(present))
+    places = rank[shifted]  # each row's adapter's place
     if tokens_per_row is not None:  # each token's
         places = np.repeat(places, np.asarray(tokens_per_row, dtype=np.int64))
     order = np.argsort(places, kind="stable")  # stable: each adapter's tokens keep their order
-    ends = np.cumsum(np.bincount(places, minlength=len(adapters))).tolist()
-    spans = [(index, end - count, end) for index, count, end in
-             zip(adapters[by_first].tolist(), np.diff([0, *ends]).tolist(), ends) if index != BASE]
+    spans, end = [], 0  # a few adapters: Python's
+    for index, size in zip((present[by_first] + BASE).tolist(), np.bincount(places, minlength=len(present)).tolist()):
+        end += size
+        if index != BASE:
+            spans.append((index, end - size, end))
     return order, spans
 
 
