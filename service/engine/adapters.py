@@ -56,9 +56,9 @@ class ServedAdapters:
         return self.set.index(name)
 
     def rows(self, adapters: Iterable[int]) -> LoraRows | None:
-        """A forward's per-row adapters; None (the base forward, exactly as without adapters)
-        when none is loaded (then `adapters`, a generator on the step's path, is never walked)
-        or no row uses one."""
+        """A forward's per-row adapters (`adapters`: an array, as the input batch's column gives
+        them to a decode, or any iterable of indices); None (the base forward, exactly as without
+        adapters) when none is loaded (then `adapters` is never walked) or no row uses one."""
         if not self.loaded:
             return None
         return self.set.rows(adapters if isinstance(adapters, np.ndarray) else np.fromiter(adapters, dtype=np.int64))

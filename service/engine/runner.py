@@ -170,11 +170,9 @@ class ModelRunner:
         step without drafts computes them, then the drafted sequences' [sum of 1 + k, V]."""
         seqs, drafted = step_rows.decoding, step_rows.drafted
         undrafted = seqs[: len(seqs) - len(drafted)]
-        loaded = self.adapters.loaded
-        if undrafted:
-            parts = [self._decode_batch(step_rows, self._lora(step_rows.facts.slots[: len(undrafted)]) if loaded else None)]
-        else:
-            parts = []
+        loaded, parts = self.adapters.loaded, []
+        if undrafted:  # the first rows sampled (layout.py)
+            parts.append(self._decode_batch(step_rows, self._lora(step_rows.facts.slots[: len(undrafted)]) if loaded else None))
         parts.append(self._verify(drafted, self._lora([s.slot for s in drafted]) if loaded else None))
         return parts
 

@@ -73,18 +73,30 @@ def test_each_row_gets_what_it_gets_alone(make_engine, adapter_dirs, config):
     assert engine.cache.slots_used == 0
 
 
-@pytest.mark.parametrize("overlap", [False, True])
-def test_rows_laid_out_from_the_batchs_arrays_get_what_they_get_alone(make_engine, adapter_dirs, overlap):
+@pytest.mark.parametrize("config", [
+    dict(max_slots=32),
+    dict(max_slots=32, overlap=True),
+    # a step with drafts (ModelRunner._decode_drafted): the undrafted rows' adapters from the column
+    dict(max_slots=32, speculative=NgramSettings(min_n=1, max_n=3, tokens=4, weight_pass_rows=float("inf"))),
+])
+def test_rows_laid_out_from_the_batchs_arrays_get_what_they_get_alone(make_engine, adapter_dirs, config):
     """With 16 or more running (layout.BATCHED_ROWS) a forward's adapters come from the input
     batch's column, indexed by the rows' slots: written at admission and carried by packing moves
     as requests finish."""
     entries = [(adapter, seed + 10 * copy, length + copy, params) for copy in range(3) for adapter, seed, length, params in MIXED]
-    config = dict(max_slots=32, overlap=overlap)
+
+    def requests():
+        batch = adapted_requests(entries)
+        if "speculative" in config:  # prompts that repeat themselves: drafts from the first decode step
+            for request in batch:
+                request.prompt_ids = request.prompt_ids[:4] * 4
+        return batch
+
     alone = {}
-    for request in adapted_requests(entries):
+    for request in requests():
         [alone[request.request_id]] = [outcome(f) for f in adapted_engine(make_engine, adapter_dirs, **config).generate([request])]
     engine = adapted_engine(make_engine, adapter_dirs, **config)
-    assert_same_outputs({f.request_id: outcome(f) for f in engine.generate(adapted_requests(entries))}, alone)
+    assert_same_outputs({f.request_id: outcome(f) for f in engine.generate(requests())}, alone)
 
 
 @torch.inference_mode()
