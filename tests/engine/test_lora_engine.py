@@ -44,11 +44,20 @@ MIXED = [
 ]
 
 
-def adapted_requests(entries=MIXED) -> list:
+def adapted_requests(entries=MIXED, config: dict | None = None) -> list:
     batch = [make_request(random_prompt(length, seed), f"r{i}", **params) for i, (_, seed, length, params) in enumerate(entries)]
     for request, (adapter, *_rest) in zip(batch, entries):
         request.adapter = adapter
+        if config and "speculative" in config:  # prompts that repeat themselves: drafts from the first decode step
+            request.prompt_ids = request.prompt_ids[:4] * 4
     return batch
+
+
+def undrafted(config: dict) -> dict:
+    """The reference's settings: the same without drafts. Speculation promises the tokens and bits
+    decoding gives without it, and a reference that drafts too would verify its drafts the same
+    way as the batch does, right or wrong (with the base's weights instead of the adapter's, say)."""
+    return {key: value for key, value in config.items() if key != "speculative"}
 
 
 @pytest.mark.parametrize("config", [
@@ -60,10 +69,10 @@ def adapted_requests(entries=MIXED) -> list:
 ])
 def test_each_row_gets_what_it_gets_alone(make_engine, adapter_dirs, config):
     alone = {}  # each in an engine of its own with the same settings (a prefill budget cuts prompts its way)
-    for request in adapted_requests():
-        [alone[request.request_id]] = [outcome(f) for f in adapted_engine(make_engine, adapter_dirs, **config).generate([request])]
+    for request in adapted_requests(config=config):
+        [alone[request.request_id]] = [outcome(f) for f in adapted_engine(make_engine, adapter_dirs, **undrafted(config)).generate([request])]
     engine = adapted_engine(make_engine, adapter_dirs, **config)
-    together = {f.request_id: outcome(f) for f in engine.generate(adapted_requests())}
+    together = {f.request_id: outcome(f) for f in engine.generate(adapted_requests(config=config))}
     if config.get("static_decode"):
         # Steps with adapter rows run eagerly, the others padded to a graph's shape: the same
         # tokens, not the same last bits (as graphs beside eager steps on a GPU).
@@ -84,19 +93,11 @@ def test_rows_laid_out_from_the_batchs_arrays_get_what_they_get_alone(make_engin
     batch's column, indexed by the rows' slots: written at admission and carried by packing moves
     as requests finish."""
     entries = [(adapter, seed + 10 * copy, length + copy, params) for copy in range(3) for adapter, seed, length, params in MIXED]
-
-    def requests():
-        batch = adapted_requests(entries)
-        if "speculative" in config:  # prompts that repeat themselves: drafts from the first decode step
-            for request in batch:
-                request.prompt_ids = request.prompt_ids[:4] * 4
-        return batch
-
     alone = {}
-    for request in requests():
-        [alone[request.request_id]] = [outcome(f) for f in adapted_engine(make_engine, adapter_dirs, **config).generate([request])]
+    for request in adapted_requests(entries, config):
+        [alone[request.request_id]] = [outcome(f) for f in adapted_engine(make_engine, adapter_dirs, **undrafted(config)).generate([request])]
     engine = adapted_engine(make_engine, adapter_dirs, **config)
-    assert_same_outputs({f.request_id: outcome(f) for f in engine.generate(requests())}, alone)
+    assert_same_outputs({f.request_id: outcome(f) for f in engine.generate(adapted_requests(entries, config))}, alone)
 
 
 @torch.inference_mode()
