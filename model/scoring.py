@@ -23,13 +23,14 @@ class Scores:
 
 
 def score_tokens(logits: torch.Tensor, tokens: torch.Tensor, n: int) -> Scores:
-    """logits [B, V] (float32), tokens [B], n >= 0 alternatives per row."""
+    """logits [B, V] (float32), tokens [B], n >= 0 alternatives per row. Ranks and alternatives
+    order tokens by the log-probabilities reported (as vLLM does), not by the logits: two logits
+    apart can round to one log-probability, and then the lower id comes first."""
     log_probs = logits.log_softmax(dim=-1)  # [B, V]
-    chosen = logits.gather(1, tokens[:, None])  # [B, 1]
-    # Comparing logits orders tokens as comparing their log-probabilities would.
-    ranks = (logits > chosen).sum(dim=-1) + 1  # [B]
-    _, top_ids = top_n(logits, n)  # [B, n]
-    return Scores(log_probs.gather(1, tokens[:, None]).squeeze(1), ranks, top_ids, log_probs.gather(1, top_ids))
+    chosen = log_probs.gather(1, tokens[:, None])  # [B, 1]
+    ranks = (log_probs > chosen).sum(dim=-1) + 1  # [B]
+    top_ids, top_logprobs = most_likely(log_probs, n)  # [B, n]
+    return Scores(chosen.squeeze(1), ranks, top_ids, top_logprobs)
 
 
 def top_alternatives(logits: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -38,8 +39,16 @@ def top_alternatives(logits: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.
     The sampler's rows share one call: log_softmax is a kernel per row, where logsumexp's sum
     over a lone row is split across threads and rounds differently from the same row in a batch.
     """
-    _, ids = top_lowest_first(logits, n)  # [B, n]: top_n's answer at about half its cost
-    return ids, logits.log_softmax(dim=-1).gather(1, ids)
+    return most_likely(logits.log_softmax(dim=-1), n)
+
+
+def most_likely(log_probs: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The n highest log-probabilities of each row [B, V], highest first, equal ones lowest id
+    first: [B, n] ids, [B, n] values."""
+    if n == 0:
+        return torch.zeros(log_probs.shape[0], 0, dtype=torch.long, device=log_probs.device), log_probs[:, :0]
+    values, ids = top_nonpositive(log_probs, n)
+    return ids, values
 
 
 def top_n(values: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,30 +76,18 @@ def top_n(values: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     return chosen_values.gather(1, order), ids.gather(1, order)
 
 
-def top_lowest_first(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """top_n's answer for float32 values (the k largest of each row [B, W], largest first, equal
-    values lowest index first; -0.0 equal to 0.0) from one top-k over distinct int64 keys: each
-    value's bits made to sort as the floats do, its index reversed below them. About a dozen
-    elementwise operations against top_n's twenty: the sampler runs it every step a row asks
-    for alternatives, and a beam search's candidates every step (model/beam.py)."""
-    width = values.shape[-1]
-    if k == 0:
-        return values[:, :0], torch.zeros(values.shape[0], 0, dtype=torch.long, device=values.device)
-    bits = (values + 0.0).view(torch.int32).long()  # + 0.0: -0.0 becomes 0.0, which it equals
-    # A negative float's other bits count down: flipped, every value's bits order as the floats.
-    keys = bits.bitwise_xor_((bits >> 31) & 0x7FFFFFFF).bitwise_left_shift_(32)
-    keys.bitwise_or_(reversed_index(width, values.device))  # [B, W]
-    index = width - 1 - (keys.topk(k, dim=-1).values & 0xFFFFFFFF)  # [B, k]
-    return values.gather(1, index), index
-
-
 def top_nonpositive(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """top_lowest_first's answer for float32 values that are all at most 0 (log-probabilities and
-    their sums, -inf included; a NaN ranks last), contiguous [B, W], k >= 1, in fewer operations:
-    a beam search's candidates are computed every step it runs (model/beam.py). Such a value's
-    sign bit is set, but for 0.0, which is given it: its bits, as a signed integer, then grow as
-    the value falls, so the smallest key is the largest value, and its index, below them,
-    unreversed, puts equal values lowest index first."""
+    """The k largest of each row of float32 values never above 0 (log-probabilities and their
+    sums, -inf included; a NaN ranks last), contiguous [B, W], k >= 1: [B, k] values and [B, k]
+    indices, largest first, equal values lowest index first, -0.0 equal to 0.0.
+
+    torch.topk alone leaves the order of equal values to its algorithm, which changes with k, the
+    device and the shape: a row asking for 2 alternatives beside one asking for 5 would get other
+    ids than alone. This is one top-k over distinct int64 keys, in 7 operations (a beam search's
+    candidates are found every step it runs, alternatives every step a row asks for them). A
+    value at most 0 has its sign bit set, but for 0.0, which is given it: its bits, as a signed
+    integer, then grow as the value falls, so the smallest key is the largest value, and its
+    index, below them, unreversed, puts equal values lowest index first."""
     # The bits, sign-extended, shifted into the high half; the low half, the index, comes with the
     # sign bit of the high half's 32-bit value, which 0.0 lacks (the others have it already).
     keys = values.view(torch.int32).long().bitwise_left_shift_(32)
@@ -105,7 +102,3 @@ def signed_index(width: int, device: torch.device) -> torch.Tensor:
     return torch.arange(width, device=device).bitwise_or_(-(1 << 63))
 
 
-@functools.cache
-def reversed_index(width: int, device: torch.device) -> torch.Tensor:
-    """[W] int64: W - 1 - i at i (made once per width and device: read only)."""
-    return width - 1 - torch.arange(width, device=device)
