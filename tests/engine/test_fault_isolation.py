@@ -12,7 +12,9 @@ import torch
 
 from model.linear import Conv1D
 from service.engine import faults
+from service.engine import scheduler as scheduler_module
 from service.engine.faults import NonfiniteInjection
+from service.engine.ngram_drafter import NgramSettings
 from tests.engine.conftest import assert_same_outputs, make_request, random_prompt
 from tests.model.test_lora import PEFT_CONFIGS, peft_adapter
 
@@ -83,22 +85,53 @@ def test_nonfinite_logits_fail_their_request_alone(make_engine, monkeypatch, alo
     assert not failed_again and finished_again == fresh
 
 
+@pytest.mark.parametrize("when", ["before it starts", "while it decodes", "as it verifies a draft"])
 def test_an_adapter_that_turns_non_finite_at_run_time_fails_only_its_requests(make_engine, tiny_model_dir, tmp_path,
-                                                                          alone):
+                                                                          alone, monkeypatch, when):
+    """Its requests' prompts fail, or their decode steps, or (with n-gram speculation: their prompts
+    repeat themselves) a step in which one verifies a draft, its rows read on their own. The
+    bystanders' tokens stay the ones they get alone, without speculation (its promise)."""
     folder = peft_adapter(tmp_path / "poisoned", tiny_model_dir, seed=0, **PEFT_CONFIGS["all-modules"])
-    engine = make_engine()
+    speculative = NgramSettings(min_n=1, max_n=3, tokens=4, weight_pass_rows=float("inf")) if "draft" in when else None
+    engine = make_engine(speculative=speculative)
     engine.core.adapters.load("poisoned", str(folder))
     lora = engine.core.adapters.set
     index = lora.index("poisoned")
-    for module in engine.core.model.modules():  # loaded as valid, its resident weights broken afterwards
-        delta = lora.delta(index, module) if isinstance(module, Conv1D) else None
-        if delta is not None:
-            delta.b_t.fill_(math.nan)
-    hostile = [make_request(random_prompt(6, seed=50), "greedy-on-it", max_new_tokens=8),
-               make_request(random_prompt(6, seed=51), "sampled-on-it", max_new_tokens=8, do_sample=True, seed=2)]
+    poisoned = []
+
+    def poison() -> None:  # loaded as valid, its resident weights broken afterwards
+        for module in engine.core.model.modules():
+            delta = lora.delta(index, module) if isinstance(module, Conv1D) else None
+            if delta is not None:
+                delta.b_t.fill_(math.nan)
+        poisoned.append(True)
+
+    if when == "before it starts":
+        poison()
+    elif when == "while it decodes":  # before the fourth step: its prompts and two tokens each done
+        step, steps = engine.step, []
+
+        def stepping():
+            if len(steps) == 3:
+                poison()
+            steps.append(step())
+            return steps[-1]
+        monkeypatch.setattr(engine, "step", stepping)
+    else:  # the step after the plan that gives one of its sequences a draft, before that step's forwards
+        propose = scheduler_module.propose
+
+        def proposing(*args, **kwargs):
+            drafted = propose(*args, **kwargs)
+            if not poisoned and any(seq.adapter == index for seq in drafted):
+                poison()
+            return drafted
+        monkeypatch.setattr(scheduler_module, "propose", proposing)
+    hostile = [make_request(random_prompt(3, seed=50) * 4, "greedy-on-it", max_new_tokens=24),
+               make_request(random_prompt(3, seed=51) * 4, "sampled-on-it", max_new_tokens=24, do_sample=True, seed=2)]
     for request in hostile:
         request.adapter = "poisoned"
-    finished, failed = run(engine, bystanders() + hostile)
+    finished, failed = run(engine, hostile + bystanders())  # admitted first: they run from the first step
+    assert poisoned
     assert sorted(failed) == ["greedy-on-it", "sampled-on-it"]
     assert all(f.cause == "nonfinite_logits" and f.status == 424 for f in failed.values())
     assert_same_outputs(finished, alone)
