@@ -117,7 +117,7 @@ def test_an_adapter_that_turns_non_finite_at_run_time_fails_only_its_requests(ma
             steps.append(step())
             return steps[-1]
         monkeypatch.setattr(engine, "step", stepping)
-    else:  # the step after the plan that gives one of its sequences a draft, before that step's forwards
+    else:  # in the plan that gives one of its sequences a draft, before that step's forwards
         propose = scheduler_module.propose
 
         def proposing(*args, **kwargs):
