@@ -100,5 +100,3 @@ def top_nonpositive(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.T
 def signed_index(width: int, device: torch.device) -> torch.Tensor:
     """[W] int64: i with bit 63 set, at i (made once per width and device: read only)."""
     return torch.arange(width, device=device).bitwise_or_(-(1 << 63))
-
-

@@ -4,6 +4,7 @@ other request of the same steps gets exactly the tokens it gets without it."""
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import llguidance
@@ -109,13 +110,12 @@ def test_an_adapter_that_turns_non_finite_at_run_time_fails_only_its_requests(ma
     if when == "before it starts":
         poison()
     elif when == "while it decodes":  # before the fourth step: its prompts and two tokens each done
-        step, steps = engine.step, []
+        step, calls = engine.step, itertools.count()
 
         def stepping():
-            if len(steps) == 3:
+            if next(calls) == 3:
                 poison()
-            steps.append(step())
-            return steps[-1]
+            return step()
         monkeypatch.setattr(engine, "step", stepping)
     else:  # in the plan that gives one of its sequences a draft, before that step's forwards
         propose = scheduler_module.propose
