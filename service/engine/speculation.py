@@ -20,10 +20,14 @@ acceptance makes worth their rows at the step's batch size.
 
 from __future__ import annotations
 
+import logging
+
 from service.engine.draft_policy import acceptance_threshold, draft_length
 from service.engine.ngram_drafter import NgramIndex, NgramSettings
 from service.engine.requests import RequestState, Sequence
 from service.engine.types import SamplingParams
+
+log = logging.getLogger(__name__)
 
 
 def speculates(params: SamplingParams) -> bool:
@@ -59,10 +63,17 @@ def propose(states: list[RequestState], settings: NgramSettings, rows: int) -> l
             # The step makes at most 1 + k tokens; draft none past max_new_tokens.
             room = state.params.max_new_tokens - len(seq.generated) - 1
             most = min(room, draft_length(seq.acceptance.rate, threshold, settings.tokens))
-            seq.draft = seq.drafter.draft(seq.token_ids, most) if most > 0 else []
-            seq.acceptance.looked(bool(seq.draft) or most == 0, len(seq.token_ids))
-            if seq.draft and seq.matcher is not None:  # only what the grammar allows is worth a row
-                seq.draft = seq.draft[: seq.matcher.validate_tokens(seq.draft)]
+            try:
+                seq.draft = seq.drafter.draft(seq.token_ids, most) if most > 0 else []
+                seq.acceptance.looked(bool(seq.draft) or most == 0, len(seq.token_ids))
+                if seq.draft and seq.matcher is not None:  # only what the grammar allows is worth a row
+                    seq.draft = seq.draft[: seq.matcher.validate_tokens(seq.draft)]
+            except Exception:
+                # A draft only saves forwards: the sequence whose drafting failed decodes on
+                # without drafts (the same tokens), and no other request notices.
+                log.exception("drafting for request %s failed; it goes on without drafts", state.request.request_id)
+                seq.draft, seq.drafter = [], None
+                continue
             if seq.draft:
                 drafted.append(seq)
     return drafted

@@ -148,11 +148,8 @@ class StepReader:
             state, seq = sampled[i]
             if i in skip or seq.finish_reason is not None:
                 continue
-            token = tokens[i].item()
-            if not seq.matcher.consume_token(token):
-                # An error, never a grammar that ended: llguidance's stopped state includes errors.
-                self.fail(state, grammar_failed(first_line(seq.matcher.get_error()) or f"token {token} was not allowed"),
-                          launched)
+            if (error := refusal(seq.matcher, tokens[i].item())) is not None:
+                self.fail(state, grammar_failed(error), launched)
             elif seq.matcher.is_stopped():
                 stopped[i] = True
         return stopped
@@ -214,9 +211,8 @@ class StepReader:
         """Append the token of a sampler's row (`row`: [token, log-prob, ...]) and check its
         stops. None: the request failed on it (its grammar could not take it)."""
         token = int(row[0])
-        if seq.matcher is not None and not seq.matcher.consume_token(token):
-            # An error, never a grammar that ended: llguidance's stopped state includes errors.
-            self.fail(state, grammar_failed(first_line(seq.matcher.get_error()) or f"token {token} was not allowed"), launched)
+        if seq.matcher is not None and (error := refusal(seq.matcher, token)) is not None:
+            self.fail(state, grammar_failed(error), launched)
             return None
         seq.token_ids.append(token)
         seq.cached = len(seq.token_ids) - 1  # the forward that chose it wrote every earlier token
@@ -232,6 +228,18 @@ class StepReader:
         if reason is not None:
             self.scheduler.release_sequence(seq, reason, state)
         return (state.request.request_id, seq.index, token, row[1], reason, top)
+
+
+def refusal(matcher, token: int) -> str | None:
+    """None when the grammar's matcher takes `token`; else why not: its error (never a grammar
+    that ended: llguidance's stopped state includes errors), or what it raised (llguidance raises
+    only on misuse; still the request's alone)."""
+    try:
+        if matcher.consume_token(token):
+            return None
+        return first_line(matcher.get_error()) or f"token {token} was not allowed"
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
 
 
 def true_runs(mask: np.ndarray) -> list[tuple[int, int]]:

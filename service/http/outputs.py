@@ -28,6 +28,7 @@ spread over helper calls (docs/engine.md, "One token's path").
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -44,6 +45,8 @@ from service.engine.types import (
     TopLogprobs,
 )
 from weights.tokenizer import GPT2Tokenizer
+
+log = logging.getLogger(__name__)
 
 
 class TextStream:
@@ -204,10 +207,15 @@ class OutputProcessor:
                 seq.top_logprobs.append(top)
             seq.token_times.append(now)
             stream = seq.text
-            text = stream.add(token)
-            if stream.stopped or reason is not None:
-                text += stream.finish()
-                seq.finish_reason = "stop_sequence" if stream.stopped else reason
+            try:
+                text = stream.add(token)
+                if stream.stopped or reason is not None:
+                    text += stream.finish()
+                    seq.finish_reason = "stop_sequence" if stream.stopped else reason
+            except Exception as exc:  # this request's text alone: it fails, every other goes on
+                out.failed.append(self._fail(request_id, exc, events))
+                out.abort.append(request_id)
+                continue
             if request.first_token_time is None:
                 request.first_token_time = now
             if request.token_events:
@@ -224,7 +232,10 @@ class OutputProcessor:
         for done in step.done:
             request = requests.get(done.request_id)
             if request is not None:
-                out.finished.append(self._finish(request, now, done.beams))
+                try:
+                    out.finished.append(self._finish(request, now, done.beams))
+                except Exception as exc:  # decoding its hypotheses failed: it alone fails
+                    out.failed.append(self._fail(done.request_id, exc, events))
         for failed in step.failed:
             if requests.pop(failed.request_id, None) is not None:
                 out.failed.append(failed)
@@ -234,6 +245,15 @@ class OutputProcessor:
         """The client left: finish the request now with what it has (None if already finished)."""
         request = self._requests.get(request_id)
         return None if request is None else self._finish(request, self.clock())
+
+    def _fail(self, request_id: str, exc: Exception, events: dict[str, list[TokenEvent]]) -> RequestFailed:
+        """A request whose text could not be made (a tokenizer's or a stop string's error) ends
+        alone, with an internal error and none of this step's events; the caller asks the core to
+        stop it."""
+        log.exception("making the text of request %s failed; it fails alone", request_id)
+        self._requests.pop(request_id, None)
+        events.pop(request_id, None)
+        return RequestFailed(request_id, f"its output text could not be made: {type(exc).__name__}: {exc}", cause="output")
 
     def fail_all(self, message: str) -> list[RequestFailed]:
         """The core is gone: every request still here fails."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import time
 
 import llguidance
 import pytest
@@ -142,8 +143,10 @@ class BreakingMatcher:
     """A real llguidance matcher that enters an error state at its n-th mask or n-th token, as
     llguidance does when a grammar exceeds its limits mid-generation."""
 
-    def __init__(self, inner: llguidance.LLMatcher, mask_at: int | None = None, token_at: int | None = None) -> None:
-        self.inner, self.mask_at, self.token_at = inner, mask_at, token_at
+    def __init__(self, inner: llguidance.LLMatcher, mask_at: int | None = None, token_at: int | None = None,
+                 raises: bool = False) -> None:
+        """`raises`: at its n-th token it raises instead (llguidance raises only when misused)."""
+        self.inner, self.mask_at, self.token_at, self.raises = inner, mask_at, token_at, raises
         self.masks = self.tokens = 0
         self.error = ""
 
@@ -159,6 +162,8 @@ class BreakingMatcher:
     def consume_token(self, token: int) -> bool:
         self.tokens += 1
         if self.tokens == self.token_at:
+            if self.raises:
+                raise RuntimeError("injected: the matcher raised")
             self.error = "injected: token not accepted"
             return False
         return self.inner.consume_token(token)
@@ -173,7 +178,7 @@ class BreakingMatcher:
         return self.error or self.inner.get_error()
 
 
-@pytest.mark.parametrize("where", [dict(mask_at=1), dict(mask_at=4), dict(token_at=3)])
+@pytest.mark.parametrize("where", [dict(mask_at=1), dict(mask_at=4), dict(token_at=3), dict(token_at=3, raises=True)])
 def test_a_grammar_failing_mid_generation_is_an_error_not_an_ending(make_engine, monkeypatch, alone, where):
     engine = make_engine()
     hostile_grammar = '%llguidance {}\nstart: /[a-z]{3,9}( [a-z]{2,6}){0,5}/'
@@ -185,7 +190,7 @@ def test_a_grammar_failing_mid_generation_is_an_error_not_an_ending(make_engine,
     assert list(failed) == ["hostile"]
     failure = failed["hostile"]
     assert (failure.status, failure.error_type, failure.cause) == (422, "validation", "grammar")
-    assert "the grammar failed during generation: injected" in failure.message
+    assert failure.message.startswith("the grammar failed during generation: ") and "injected" in failure.message
     assert_same_outputs(finished, alone)
 
 
@@ -299,3 +304,94 @@ def test_injection_is_off_unless_configured(monkeypatch):
     logits = torch.zeros(3, 4)
     out = injection.apply(logits, [(5, 2), (5, 1), (None, 9)])
     assert out[0].isnan().all() and torch.isfinite(out[1:]).all()
+
+
+@pytest.mark.parametrize("part", ["drafter", "grammar's check of a draft"])
+def test_drafting_that_raises_leaves_its_request_to_decode_without_drafts(make_engine, monkeypatch, alone, part):
+    """A draft only saves forwards, so the sequence whose drafting raises (its n-gram index, or
+    its grammar's check of the draft) goes on undrafted: no request fails, and every one gets the
+    tokens it gets alone without speculation (the bystanders' and its own)."""
+    from service.engine.ngram_drafter import NgramIndex
+
+    prompt = random_prompt(3, seed=90) * 4  # repeats itself: it drafts from its first decode step
+    options = dict(grammar=REGEX.replace("2,6", "1,4")) if part != "drafter" else {}
+    hostile = make_request(prompt, "hostile", max_new_tokens=16, **options)
+    reference, failed = run(compiled(make_engine(), options), [make_request(prompt, "hostile", max_new_tokens=16, **options)])
+    assert not failed
+    engine = make_engine(speculative=NgramSettings(min_n=1, max_n=3, tokens=4, weight_pass_rows=float("inf")))
+    raised = []
+    if part == "drafter":
+        draft, calls = NgramIndex.draft, itertools.count()
+
+        def drafting(self, tokens, limit):
+            if tokens[: len(prompt)] == prompt and next(calls) == 2:  # its third draft
+                raised.append(True)
+                raise RuntimeError("injected drafter failure")
+            return draft(self, tokens, limit)
+        monkeypatch.setattr(NgramIndex, "draft", drafting)
+    else:
+        real = engine.core.grammars.matcher
+
+        class RaisingCheck:
+            def __init__(self, inner):
+                self.inner = inner
+
+            def __getattr__(self, name):
+                return getattr(self.inner, name)
+
+            def validate_tokens(self, tokens):
+                raised.append(True)
+                raise RuntimeError("injected check failure")
+        monkeypatch.setattr(engine.core.grammars, "matcher",
+                            lambda grammar: RaisingCheck(real(grammar)) if grammar == hostile.params.grammar else real(grammar))
+    finished, failed = run(engine, [hostile] + bystanders())
+    assert raised and not failed
+    assert finished.pop("hostile") == reference["hostile"]
+    assert_same_outputs(finished, alone)
+
+
+def compiled(engine, options: dict):
+    """The engine once the grammar of `options` (if any) has compiled: a request alone steps
+    nothing while it compiles, and could use up `run`'s steps."""
+    if "grammar" in options:
+        grammars = engine.core.grammars
+        grammars.prepare(options["grammar"])
+        for _ in range(1000):
+            grammars.collect()
+            if grammars.cached(options["grammar"]):
+                break
+            time.sleep(0.01)
+    return engine
+
+
+def test_a_request_whose_text_fails_fails_alone(make_engine, monkeypatch, alone):
+    """The HTTP side's text of one request raises (its tokenizer's decoder, a stop string's
+    check): that request fails with an internal error and is stopped in the core; every other
+    request of the same steps gets all of its tokens and text."""
+    from service.http.outputs import TextStream
+
+    add = TextStream.add
+
+    def adding(self, token_id):
+        if "<boom>" in self._stop and len(self._pieces) >= 2:
+            raise RuntimeError("injected decoder failure")
+        return add(self, token_id)
+    monkeypatch.setattr(TextStream, "add", adding)
+    engine = make_engine()
+    hostile = make_request(random_prompt(5, seed=91), "hostile", max_new_tokens=40, stop=("<boom>",))
+    texts = {}
+    engine.submit([hostile] + bystanders())
+    finished, failed = {}, {}
+    for _ in range(500):
+        if not engine.has_work():
+            break
+        out = engine.step()
+        finished.update((f.request_id, outcome(f)) for f in out.finished)
+        texts.update((f.request_id, [s.text for s in f.sequences]) for f in out.finished)
+        failed.update((f.request_id, f) for f in out.failed)
+    assert not engine.has_work() and engine.core.scheduler.running == []
+    assert list(failed) == ["hostile"]
+    assert (failed["hostile"].status, failed["hostile"].cause) == (500, "output")
+    assert "injected decoder failure" in failed["hostile"].message
+    assert_same_outputs(finished, alone)
+    assert all(all(texts[request_id]) for request_id in finished), texts  # every text made, beams' too
