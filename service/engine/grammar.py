@@ -187,6 +187,8 @@ class Grammars:
                 self._keep(grammar, future.result())
             except ValueError as exc:
                 self.errors[grammar] = str(exc)
+            except Exception as exc:  # llguidance raising otherwise: still this grammar's requests' alone
+                self.errors[grammar] = f"the grammar could not be compiled: {type(exc).__name__}: {exc}"
 
     def ready(self, grammar: str) -> bool:
         """False while `grammar` compiles on the worker thread (until a `collect` after it is done)."""

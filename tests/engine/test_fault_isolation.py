@@ -204,6 +204,26 @@ def test_a_grammar_llguidance_cannot_mask_fails_alone(make_engine, alone):
     assert_same_outputs(finished, alone)
 
 
+def test_a_grammar_whose_compile_raises_fails_only_its_requests(make_engine, monkeypatch, alone):
+    """The compile on the worker thread raises something other than llguidance's refusal (a
+    ValueError): only the requests of that grammar are refused."""
+    engine = make_engine()
+    hostile_grammar = REGEX.replace("2,6", "3,7")
+    build = engine.core.grammars._build
+
+    def building(grammar):
+        if grammar == hostile_grammar:
+            raise RuntimeError("injected compile failure")
+        return build(grammar)
+    monkeypatch.setattr(engine.core.grammars, "_build", building)
+    hostile = [make_request(random_prompt(5, seed=72 + i), f"hostile-{i}", max_new_tokens=8, grammar=hostile_grammar)
+               for i in range(2)]
+    finished, failed = run(engine, bystanders() + hostile)
+    assert sorted(failed) == ["hostile-0", "hostile-1"]
+    assert all(f.cause == "grammar" and "injected compile failure" in f.message for f in failed.values())
+    assert_same_outputs(finished, alone)
+
+
 def test_a_beam_search_that_raises_fails_alone(make_engine, monkeypatch, alone):
     from model.beam import BeamSearch
 
