@@ -40,6 +40,7 @@ from service.engine.process import CoreProcessConfig
 from service.engine.protocol import AbortRequests, AdapterNames, AddRequests, CoreExit, CoreOutput, Shutdown, from_core
 from service.engine.validation import validate_request
 from service.engine.types import (
+    CoreStep,
     EngineStopped,
     FinishedRequest,
     GenerationRequest,
@@ -223,14 +224,17 @@ class EngineClient:
     def _on_readable(self) -> None:
         inbox = self._inbox
         while self._reader is not None and not self._reader.done() and inbox.get(zmq.EVENTS) & zmq.POLLIN:
+            message = None
             try:
                 message = from_core.decode(inbox.recv(zmq.NOBLOCK))
                 if isinstance(message, CoreOutput):  # nearly every message: a step's output
                     self._take_step(message)
                 else:
                     self._take_message(message)
-            except Exception:  # one bad step must not stop every stream's reading
+            except Exception as exc:  # one bad step must not stop every stream's reading
                 log.exception("handling the engine core's message failed")
+                if isinstance(message, CoreOutput):
+                    self._fail_step(message.step, exc)
 
     def _take_message(self, message) -> None:
         if isinstance(message, CoreExit):
@@ -313,6 +317,19 @@ class EngineClient:
                 del events[request_id]
         return events
 
+    def _fail_step(self, step: CoreStep, exc: Exception) -> None:
+        """Handling a step raised where no one request's output is to blame: its requests fail
+        (500) and are stopped in the core, rather than wait for the tokens that were lost."""
+        try:
+            ids = {*step.tokens.request_ids, *(s.request_id for s in step.started),
+                   *(d.request_id for d in step.done), *(f.request_id for f in step.failed)}
+            failed = self.outputs.fail_requests(ids, f"handling the engine's output failed: {type(exc).__name__}: {exc}")
+            if failed:
+                self._core.send(AbortRequests([f.request_id for f in failed]))
+            self._deliver(failed)
+        except Exception:
+            log.exception("failing the requests of a step that could not be handled failed")
+
     def _forget(self, request_id: str) -> None:
         self._queues.pop(request_id, None)
         self._sinks.pop(request_id, None)
@@ -331,7 +348,10 @@ class EngineClient:
     def _deliver_failures(self, message: str) -> None:
         self._sinks.clear()
         self._adapters.fail(message)
-        for failed in self.outputs.fail_all(message):
+        self._deliver(self.outputs.fail_all(message))
+
+    def _deliver(self, failures: list[RequestFailed]) -> None:
+        for failed in failures:
             queue = self._queues.get(failed.request_id)
             held = self._held.get(failed.request_id, ())  # what it generated still reaches the client
             self._forget(failed.request_id)

@@ -261,6 +261,11 @@ class OutputProcessor:
         self._requests.clear()
         return failed
 
+    def fail_requests(self, request_ids, message: str) -> list[RequestFailed]:
+        """These requests (those still here) fail: their step's output was lost."""
+        return [RequestFailed(request_id, message, cause="output") for request_id in request_ids
+                if self._requests.pop(request_id, None) is not None]
+
     def _finish(
         self, request: RequestOutput, now: float, beams: list[FinishedSequence] | None = None
     ) -> FinishedRequest:

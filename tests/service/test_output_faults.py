@@ -6,11 +6,20 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
-from service.http.outputs import TextStream
+from service.http.outputs import OutputProcessor, TextStream
 from tests.conftest import error_of
 from tests.service.conftest import sse_payloads
 
 BOOM = "<boom>"  # the stop string that marks the request whose text fails
+
+
+def answer(client, body: dict):
+    """POST /generate, failing (not hanging) when no answer comes."""
+    pool = ThreadPoolExecutor(1)
+    try:
+        return pool.submit(client.post, "/generate", json=body).result(timeout=120)
+    finally:
+        pool.shutdown(wait=False)
 
 
 def test_a_request_whose_text_fails_gets_its_own_500(client, monkeypatch):
@@ -22,11 +31,7 @@ def test_a_request_whose_text_fails_gets_its_own_500(client, monkeypatch):
         return add(self, token_id)
     monkeypatch.setattr(TextStream, "add", adding)
     body = {"inputs": "Hello there", "parameters": {"max_new_tokens": 8, "stop": [BOOM]}}
-    pool = ThreadPoolExecutor(1)  # without the fault's isolation the request never got an answer
-    try:
-        response = pool.submit(client.post, "/generate", json=body).result(timeout=120)
-    finally:
-        pool.shutdown(wait=False)
+    response = answer(client, body)  # without the fault's isolation it never got one
     assert response.status_code == 500, response.text
     kind, message = error_of(response)
     assert kind == "generation" and "injected decoder failure" in message
@@ -40,3 +45,22 @@ def test_a_request_whose_text_fails_gets_its_own_500(client, monkeypatch):
     metrics = client.get("/metrics").text
     counted = [line for line in metrics.splitlines() if line.startswith('gpt2_request_failures_total{cause="output"}')]
     assert counted and float(counted[0].split()[-1]) >= 2
+
+
+def test_a_step_whose_handling_raises_fails_its_requests_not_leaves_them_waiting(client, monkeypatch):
+    """Handling a step's output raises where no request is to blame (here: the processor as a
+    whole, once): that step's requests fail with a 500 at once and are stopped in the core; the
+    next request is served."""
+    process, raised = OutputProcessor.process, []
+
+    def processing(self, step):
+        if step.tokens.request_ids and not raised:
+            raised.append(True)
+            raise RuntimeError("injected step failure")
+        return process(self, step)
+    monkeypatch.setattr(OutputProcessor, "process", processing)
+    response = answer(client, {"inputs": "Hello there", "parameters": {"max_new_tokens": 8}})
+    assert raised and response.status_code == 500, response.text
+    assert "injected step failure" in error_of(response)[1]
+    fine = answer(client, {"inputs": "Hello there", "parameters": {"max_new_tokens": 8, "details": True, "ignore_eos": True}})
+    assert fine.status_code == 200 and fine.json()["details"]["generated_tokens"] == 8
