@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import time
 
 import llguidance
 import pytest
@@ -43,8 +42,9 @@ def outcome(finished) -> list:
     return [(s.token_ids, s.logprobs, s.finish_reason, s.score) for s in finished.sequences]
 
 
-def run(engine, requests, limit: int = 500) -> tuple[dict, dict]:
-    """Every finished and failed request, by id, once the engine is idle."""
+def run(engine, requests, limit: int = 500, texts: dict | None = None) -> tuple[dict, dict]:
+    """Every finished and failed request, by id, once the engine is idle; `texts`: each finished
+    request's sequences' texts go there too."""
     engine.submit(requests)
     finished, failed = {}, {}
     for _ in range(limit):
@@ -52,6 +52,8 @@ def run(engine, requests, limit: int = 500) -> tuple[dict, dict]:
             return finished, failed
         out = engine.step()
         finished.update((f.request_id, outcome(f)) for f in out.finished)
+        if texts is not None:
+            texts.update((f.request_id, [s.text for s in f.sequences]) for f in out.finished)
         failed.update((f.request_id, f) for f in out.failed)
     raise AssertionError("engine still busy")
 
@@ -371,16 +373,10 @@ def test_drafting_that_raises_leaves_its_request_to_decode_without_drafts(make_e
 
 
 def compiled(engine, options: dict):
-    """The engine once the grammar of `options` (if any) has compiled: a request alone steps
-    nothing while it compiles, and could use up `run`'s steps."""
+    """The engine with the grammar of `options` (if any) compiled and cached: a request alone
+    steps nothing while its grammar compiles on the worker, and could use up `run`'s steps."""
     if "grammar" in options:
-        grammars = engine.core.grammars
-        grammars.prepare(options["grammar"])
-        for _ in range(1000):
-            grammars.collect()
-            if grammars.cached(options["grammar"]):
-                break
-            time.sleep(0.01)
+        engine.core.grammars.compile(options["grammar"])
     return engine
 
 
@@ -400,16 +396,8 @@ def test_a_request_whose_text_fails_fails_alone(make_engine, monkeypatch, alone)
     engine = make_engine()
     hostile = make_request(random_prompt(5, seed=91), "hostile", max_new_tokens=40, stop=("<boom>",))
     texts = {}
-    engine.submit([hostile] + bystanders())
-    finished, failed = {}, {}
-    for _ in range(500):
-        if not engine.has_work():
-            break
-        out = engine.step()
-        finished.update((f.request_id, outcome(f)) for f in out.finished)
-        texts.update((f.request_id, [s.text for s in f.sequences]) for f in out.finished)
-        failed.update((f.request_id, f) for f in out.failed)
-    assert not engine.has_work() and engine.core.scheduler.running == []
+    finished, failed = run(engine, [hostile] + bystanders(), texts=texts)
+    assert engine.core.scheduler.running == []
     assert list(failed) == ["hostile"]
     assert (failed["hostile"].status, failed["hostile"].cause) == (500, "output")
     assert "injected decoder failure" in failed["hostile"].message
