@@ -323,7 +323,12 @@ class EngineClient:
         try:
             ids = {*step.tokens.request_ids, *(s.request_id for s in step.started),
                    *(d.request_id for d in step.done), *(f.request_id for f in step.failed)}
-            failed = self.outputs.fail_requests(ids, f"handling the engine's output failed: {type(exc).__name__}: {exc}")
+            message = f"handling the engine's output failed: {type(exc).__name__}: {exc}"
+            failed = self.outputs.fail_requests(ids, message)
+            # Those the processor had already finished (their results made, not yet queued).
+            held = {f.request_id for f in failed}
+            failed += [RequestFailed(request_id, message, cause="output") for request_id in ids
+                       if request_id in self._queues and request_id not in held]
             if failed:
                 self._core.send(AbortRequests([f.request_id for f in failed]))
             self._deliver(failed)

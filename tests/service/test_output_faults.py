@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
+
 from service.http.outputs import OutputProcessor, TextStream
 from tests.conftest import error_of
 from tests.service.conftest import sse_payloads
@@ -47,19 +49,24 @@ def test_a_request_whose_text_fails_gets_its_own_500(client, monkeypatch):
     assert counted and float(counted[0].split()[-1]) >= 2
 
 
-def test_a_step_whose_handling_raises_fails_its_requests_not_leaves_them_waiting(client, monkeypatch):
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_a_step_whose_handling_raises_fails_its_requests_not_leaves_them_waiting(client, monkeypatch, when):
     """Handling a step's output raises where no request is to blame (here: the processor as a
     whole, once): that step's requests fail with a 500 at once and are stopped in the core; the
-    next request is served."""
+    next request is served. "after": the processor had already finished the request (its result
+    made, not yet queued) when handling raised."""
     process, raised = OutputProcessor.process, []
 
     def processing(self, step):
-        if step.tokens.request_ids and not raised:
-            raised.append(True)
-            raise RuntimeError("injected step failure")
-        return process(self, step)
+        if not step.tokens.request_ids or raised:
+            return process(self, step)
+        raised.append(True)
+        if when == "after":
+            process(self, step)
+        raise RuntimeError("injected step failure")
     monkeypatch.setattr(OutputProcessor, "process", processing)
-    response = answer(client, {"inputs": "Hello there", "parameters": {"max_new_tokens": 8}})
+    # One token: the step that raises is the one that finishes the request.
+    response = answer(client, {"inputs": "Hello there", "parameters": {"max_new_tokens": 1}})
     assert raised and response.status_code == 500, response.text
     assert "injected step failure" in error_of(response)[1]
     fine = answer(client, {"inputs": "Hello there", "parameters": {"max_new_tokens": 8, "details": True, "ignore_eos": True}})
