@@ -223,7 +223,12 @@ class CoreLoop:
     def _send(self, step: CoreStep) -> None:
         self.sent = step.stats
         if self.owners is None:  # the one HTTP process is our parent: each step's message goes there
-            self.outputs[0].send(encoder.encode(CoreOutput(step)))
+            message = CoreOutput(step)
+            try:  # inline: the token's path calls no function more
+                data = encoder.encode(message)
+            except Exception:
+                data = self._encoded_apart(message)
+            self.outputs[0].send(data)
             return
         for client, part in enumerate(self.owners.split(step)):
             self._send_to(client, CoreOutput(part))
@@ -233,15 +238,50 @@ class CoreLoop:
             self._send_to(client, message)
 
     def _send_to(self, client: int, message) -> None:
+        try:
+            data = encoder.encode(message)
+        except Exception:
+            data = self._encoded_apart(message)
         if self.owners is None:
-            self.outputs[0].send(encoder.encode(message))  # the one HTTP process is our parent
+            self.outputs[0].send(data)  # the one HTTP process is our parent
             return
         try:
             # An HTTP process that died leaves its messages queued (up to the high-water mark)
             # for its restarted successor, which ignores what it did not ask for; never wait.
-            self.outputs[client].send(encoder.encode(message), zmq.NOBLOCK)
+            self.outputs[client].send(data, zmq.NOBLOCK)
         except zmq.Again:
             log.warning("HTTP process %d is not reading: a message for it was dropped", client)
+
+    def _encoded_apart(self, message) -> bytes:
+        """The bytes of a message whose encoding raised. A step's (a value of one request's that
+        is not plain data) is sent without the requests whose own part cannot be: each of those
+        fails alone and is stopped, where the raise would have ended the core. Others raise."""
+        if not isinstance(message, CoreOutput):
+            return encoder.encode(message)
+        log.exception("a step's output could not be encoded; the requests whose part of it cannot be fail alone")
+        return encoder.encode(CoreOutput(self._encodable(message.step)))
+
+    def _encodable(self, step: CoreStep) -> CoreStep:
+        """The step without the requests whose part of it cannot be encoded: each fails instead."""
+        ids = step.request_ids()
+        by_request = Owners(len(ids))  # each request its own part
+        for place, request_id in enumerate(ids):
+            by_request.add([request_id], place)
+        kept = CoreStep(StepTokens(), [], [], [], step.stats)
+        for request_id, part in zip(ids, by_request.split(step)):
+            try:
+                encoder.encode(CoreOutput(part))
+            except Exception as exc:
+                self.core.cancel(request_id)
+                reason = f"{type(exc).__name__}: {exc}".encode("utf-8", "backslashreplace").decode()
+                kept.failed.append(RequestFailed(request_id, f"its output could not be sent: {reason}", cause="output"))
+                continue
+            for token in part.tokens:
+                kept.tokens.append(token)
+            kept.started += part.started
+            kept.done += part.done
+            kept.failed += part.failed
+        return kept
 
     def _send_failed(self, request_ids: list[str], message: str, status: int = 500) -> None:
         cache = self.core.cache

@@ -266,3 +266,8 @@ class CoreStep:
         """Nothing ran and nothing ended or started: the step waited on work off the loop (a
         grammar compiling on its own thread)."""
         return not (self.tokens.token_ids or self.started or self.done or self.failed or self.stats.counted_anything())
+
+    def request_ids(self) -> list[str]:
+        """Every request the step tells of, once each, in the order they first appear."""
+        return list(dict.fromkeys([*self.tokens.request_ids, *(s.request_id for s in self.started),
+                                   *(d.request_id for d in self.done), *(f.request_id for f in self.failed)]))

@@ -321,8 +321,7 @@ class EngineClient:
         """Handling a step raised where no one request's output is to blame: its requests fail
         (500) and are stopped in the core, rather than wait for the tokens that were lost."""
         try:
-            ids = {*step.tokens.request_ids, *(s.request_id for s in step.started),
-                   *(d.request_id for d in step.done), *(f.request_id for f in step.failed)}
+            ids = step.request_ids()
             message = f"handling the engine's output failed: {type(exc).__name__}: {exc}"
             failed = self.outputs.fail_requests(ids, message)
             # Those the processor had already finished (their results made, not yet queued).

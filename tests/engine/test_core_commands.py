@@ -7,11 +7,13 @@ from __future__ import annotations
 import threading
 
 import msgspec
+import numpy as np
 import pytest
 import zmq
 
 from service.engine.process import CoreLoop
 from service.engine.protocol import AbortRequests, AdapterCommand, AddRequests, AdapterNames, CoreOutput, Hello, encoder, from_core
+from service.engine.routing import Owners
 from tests.engine.conftest import make_request, random_prompt
 from tests.model.test_lora import PEFT_CONFIGS, peft_adapter
 
@@ -100,6 +102,39 @@ def test_an_adapter_unloaded_while_idle_is_freed_at_once(loop, tiny_model_dir, t
     assert "c" not in loop.core.adapters.set and not loop.core.adapters.unloading  # freed with no step after
     loop._answer(encoder.encode(AdapterCommand(ticket=3, name="c", folder=str(folder))))
     assert sent(loop)[-1].error is None and "c" in sent(loop)[-1].names
+
+
+@pytest.mark.parametrize("api_servers", [1, 2])
+def test_a_step_with_a_value_that_cannot_be_sent_fails_only_that_request(loop, monkeypatch, api_servers):
+    """One request's part of a step is not plain data (here a numpy integer as its token, which
+    msgpack cannot encode): that request fails alone and is stopped; the others' tokens of the
+    same step and after reach the HTTP side, and the core goes on (the raise used to end it).
+    With two HTTP processes, the steps go to the second, which sent the requests."""
+    if api_servers == 2:
+        loop.outputs, loop.owners = [Outbox(), Outbox()], Owners(2)
+    loop._answer(encoder.encode(AddRequests([make_request(random_prompt(4, seed=seed), f"r{seed}", max_new_tokens=6)
+                                             for seed in range(3)], client=api_servers - 1)))
+    step, spoiled = loop.core.step, []
+
+    def spoiling():
+        result = step()
+        tokens = result.tokens
+        if "r1" in tokens.request_ids and not spoiled:
+            at = tokens.request_ids.index("r1")
+            tokens.token_ids[at] = np.int64(tokens.token_ids[at])
+            spoiled.append(at)
+        return result
+    monkeypatch.setattr(loop.core, "step", spoiling)
+    while loop.core.has_work():
+        loop._send(loop.core.step())
+    assert spoiled
+    outputs = [m.step for m in loop.outputs[-1].messages if isinstance(m, CoreOutput)]
+    tokens = {r: sum(s.tokens.request_ids.count(r) for s in outputs) for r in ("r0", "r1", "r2")}
+    # r1's token of that step went with it, and none came after: it was stopped.
+    assert tokens["r0"] == tokens["r2"] == 6 and tokens["r1"] == 0
+    [failed] = [f for s in outputs for f in s.failed]
+    assert failed.request_id == "r1" and failed.cause == "output" and "could not be sent" in failed.message
+    assert sorted(d.request_id for s in outputs for d in s.done) == ["r0", "r1", "r2"]  # r1 stopped: cancelled
 
 
 class Poller:
