@@ -253,11 +253,12 @@ class CoreLoop:
             log.warning("HTTP process %d is not reading: a message for it was dropped", client)
 
     def _encoded_apart(self, message) -> bytes:
-        """The bytes of a message whose encoding raised. A step's (a value of one request's that
-        is not plain data) is sent without the requests whose own part cannot be: each of those
-        fails alone and is stopped, where the raise would have ended the core. Others raise."""
+        """The bytes of a message whose encoding raised (called while that error is handled). A
+        step's (a value of one request's that is not plain data) is sent without the requests
+        whose own part cannot be: each of those fails alone and is stopped, where the raise would
+        have ended the core. Any other message's error is raised again."""
         if not isinstance(message, CoreOutput):
-            return encoder.encode(message)
+            raise  # the error the caller is handling
         log.exception("a step's output could not be encoded; the requests whose part of it cannot be fail alone")
         return encoder.encode(CoreOutput(self._encodable(message.step)))
 
