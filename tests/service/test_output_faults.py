@@ -65,8 +65,9 @@ def test_a_step_whose_handling_raises_fails_its_requests_not_leaves_them_waiting
             process(self, step)
         raise RuntimeError("injected step failure")
     monkeypatch.setattr(OutputProcessor, "process", processing)
-    # One token: the step that raises is the one that finishes the request.
-    response = answer(client, {"inputs": "Hello there", "parameters": {"max_new_tokens": 1}})
+    # "before": the request is still running in the core, which the failure must stop; "after":
+    # one token, so the step that raises is the one that finishes it.
+    response = answer(client, {"inputs": "Hello there", "parameters": {"max_new_tokens": 8 if when == "before" else 1}})
     assert raised and response.status_code == 500, response.text
     assert "injected step failure" in error_of(response)[1]
     fine = answer(client, {"inputs": "Hello there", "parameters": {"max_new_tokens": 8, "details": True, "ignore_eos": True}})
